@@ -1,0 +1,109 @@
+"""Process-group set-up, rank/world, device choice and the one run directory all ranks share.
+
+Under ``torchrun`` (WORLD_SIZE > 1 in the environment) the process group is initialised with
+NCCL on GPUs and gloo on CPUs; without it the same code runs as a single process.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistInfo:
+    """Initialise torch.distributed from torchrun's environment (no-op for a single process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=_dt.timedelta(seconds=timeout_s),
+                                **({"device_id": dev} if dev.type == "cuda" else {}))
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_object(obj, info: DistInfo):
+    """Rank 0's ``obj`` on every rank."""
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def all_reduce_scalars(values: list[float], info: DistInfo, average: bool = True) -> list[float]:
+    """Sum (mean) a few logging scalars over ranks. Not counted as optimizer traffic."""
+    if not info.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    if average:
+        t /= info.world_size
+    return t.tolist()
+
+
+def resolve_run_dir(run_dir: str | None, run_name: str, resume: str, info: DistInfo) -> Path:
+    """The run directory, chosen by rank 0 and broadcast so every rank agrees.
+
+    An explicit ``run_dir`` is used as given. Otherwise ``outputs/<run_name>/<timestamp>``; with
+    ``resume=auto`` the newest existing run of that name that holds a checkpoint is continued.
+    """
+    chosen = None
+    if info.is_main:
+        if run_dir:
+            chosen = str(Path(run_dir).resolve())
+        else:
+            base = Path("outputs") / run_name
+            if resume == "auto" and base.is_dir():
+                with_ckpt = sorted(p for p in base.iterdir() if (p / "checkpoints").is_dir())
+                if with_ckpt:
+                    chosen = str(with_ckpt[-1].resolve())
+            if chosen is None:
+                stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+                chosen = str((base / stamp).resolve())
+        Path(chosen).mkdir(parents=True, exist_ok=True)
+    chosen = broadcast_object(chosen, info)
+    return Path(chosen)

@@ -1,0 +1,1 @@
+"""Downstream evaluation with lm-eval."""

@@ -1,0 +1,184 @@
+"""Throughput, MFU, memory, and the sinks: console progress bar, ``metrics.jsonl``, W&B.
+
+MFU = (model FLOPs per token x tokens per second) / (peak FLOP/s per device x devices).
+Model FLOPs per token come from the model (``flops_per_token``: 6 x non-embedding parameters
+including the output layer, plus 12 x layers x width x sequence length for attention scores), the
+peak from the table below: dense bf16 tensor-core figures for GPUs; for CPUs a nominal fp32 peak
+of threads x 2.5 GHz x FLOPs/cycle (32 with AVX2 FMA, 64 with AVX-512), which is a stated
+assumption, not a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Dense (non-sparse) bf16 peak FLOP/s per device, from the vendors' data sheets.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,   # SXM; the PCIe part is 756e12
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "RTX 4090": 165e12,
+}
+
+
+def cpu_peak_flops(threads: int) -> float:
+    flags = ""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pass
+    per_cycle = 64 if "avx512f" in flags else 32 if "fma" in flags else 8
+    return threads * 2.5e9 * per_cycle
+
+
+def peak_flops(device: torch.device) -> float:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if "H100" in name and "PCIe" in name:
+            return 756e12
+        for key, value in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return value
+        log.warning("no peak FLOP/s known for %r; MFU assumes an H100", name)
+        return GPU_PEAK_FLOPS["H100"]
+    return cpu_peak_flops(torch.get_num_threads())
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {"mem/allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "mem/reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {"mem/rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+class StepTimer:
+    """Accumulates named phases (data, fwd_bwd, optimizer) between ``pop()`` calls."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.totals: dict[str, float] = {}
+        self._start: float | None = None
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def phase(self, name: str):
+        timer = self
+
+        class _Phase:
+            def __enter__(self_inner):
+                timer.sync()
+                self_inner.t0 = time.perf_counter()
+
+            def __exit__(self_inner, *exc):
+                timer.sync()
+                timer.totals[name] = timer.totals.get(name, 0.0) + time.perf_counter() - self_inner.t0
+
+        return _Phase()
+
+    def pop(self) -> dict[str, float]:
+        out, self.totals = self.totals, {}
+        return out
+
+
+class MetricsLogger:
+    """Rank 0 writes ``metrics.jsonl``, W&B and the progress bar; other ranks log nothing."""
+
+    def __init__(self, run_dir: Path, is_main: bool, total_steps: int, progress_bar: bool,
+                 wandb_run=None, start_step: int = 0):
+        self.is_main, self.wandb_run = is_main, wandb_run
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = open(self.path, "a") if is_main else None
+        self.bar = None
+        if is_main and progress_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True, mininterval=1.0)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "time"}, step=step)
+        if self.bar is not None:
+            shown = {k: metrics[k] for k in ("loss", "val_loss", "lr", "tokens_per_s", "mfu") if k in metrics}
+            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+        elif "loss" in metrics or "val_loss" in metrics:
+            log.info("step %d %s", step, " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
+
+    def advance(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    return v
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss_curve(metrics_path: Path, out_png: Path) -> Path:
+    """Train and validation loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", lw=1.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(metrics_path.parent.name)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+def env_snapshot() -> dict[str, str]:
+    """Versions for the run record; never environment variables (they may hold secrets)."""
+    import platform
+
+    return {"torch": torch.__version__, "python": platform.python_version(),
+            "host": platform.node(), "pid": str(os.getpid())}

@@ -1,0 +1,81 @@
+"""The interface through which the trainer knows an optimizer.
+
+Dense DDP, SCAPE and the local-step strategies all differ behind this seam, never inside the
+training loop. The loop calls, per optimizer step:
+
+    model = strategy.wrap_model(model)                 # once, at start-up (DDP for dense)
+    strategy.before_forward(step)                      # before the first micro-batch
+    for each micro-batch:
+        with strategy.sync_context(model, is_last_micro):   # DDP no_sync on all but the last
+            loss.backward()
+    strategy.after_backward()                          # after the last micro-batch
+    metrics = strategy.step(lr)                        # clip + update; returns scalar metrics
+    strategy.zero_grad()
+
+Learning rates are passed in by the trainer (its scheduler is a pure function of the step), so a
+strategy never owns schedule state. Everything a strategy must carry across a restart is returned
+by ``state_dict()`` and restored by ``load_state_dict()``; the checkpoint manager saves it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class OptimizerStrategy:
+    """Base class: a single-process, no-communication strategy around a torch optimizer."""
+
+    #: the torch optimizer(s) doing the local update; subclasses set it.
+    optimizer: torch.optim.Optimizer | None = None
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def sync_context(self, model: nn.Module, is_last_micro: bool):
+        return contextlib.nullcontext()
+
+    def before_forward(self, step: int) -> None:
+        """Called before the first micro-batch of optimizer step ``step`` (1-based)."""
+
+    def after_backward(self) -> None:
+        """Called after the last micro-batch's backward, before ``step``."""
+
+    def step(self, lr: float) -> dict[str, float]:
+        raise NotImplementedError("subclasses implement step(lr)")
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.optimizer is None else {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        """Release background work (pending async handles, side streams)."""
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's lr, honouring a per-group ``lr_scale``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def param_groups_with_decay(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups: matrices and embeddings decay; biases and 1-D gains (norms) do not."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups

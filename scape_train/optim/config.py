@@ -1,0 +1,33 @@
+"""The optimizer's typed config (Hydra group ``optimizer``). One schema for every optimizer so
+experiments switch with ``optimizer=scape`` and unknown keys still fail."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"               # adamw | adams | scape | topk_adamw | powersgd
+    lr: float = 1e-3                  # peak lr; the trainer's schedule scales it
+    min_lr: float = 1e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0            # 0 = off
+    bias_correction: str = "adam"     # AdamS: adam | official | none
+    foreach: bool = True
+    # SCAPE / top-k
+    density: float = 0.1              # fraction communicated (0.01 = 99% sparsity)
+    density_warmup_steps: int = 0     # geometric warmup from 1.0; 0 = constant
+    density_schedule: str = "geometric"   # geometric | constant
+    partitioner: str = "tensor"       # tensor | flat
+    sharded: bool = False             # ZeRO-1 state (spec section 3)
+    exclude_norm_bias: bool = True
+    offload_residuals: bool = False
+    offload_chunk_numel: int = 1 << 22
+    use_triton: str = "auto"          # auto | on | off
+    # PowerSGD baseline
+    powersgd_rank: int = 4
+    powersgd_start_iter: int = 10

@@ -1,0 +1,362 @@
+"""The trainer: ``run(cfg)`` sets up, then ``train_step`` repeats until ``max_steps``.
+
+Reads top to bottom:
+    run()            distributed init, run dir, tokenizer, model, optimizer strategy, data,
+                     checkpoint resume, W&B; the loop; the final checkpoint, plot and evaluation
+    train_step()     one optimizer step: micro-batches (forward/backward), the strategy's
+                     communication hooks, the non-finite check agreed by all ranks, the update
+    evaluate()       the fixed validation set's mean loss
+Everything the loop depends on is behind small interfaces: the optimizer strategy
+(``optim/base.py``), the loader (``data/``), the checkpoint manager, the metrics sinks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from scape_train import distributed as D
+from scape_train.checkpoint import CheckpointError, CheckpointManager
+from scape_train.config import Config, grad_accum_steps, validate
+from scape_train.metrics import MetricsLogger, StepTimer, memory_metrics, peak_flops, plot_loss_curve
+from scape_train.optim.comm import Comm
+from scape_train.rng import get_rng_state, seed_everything, set_rng_state
+from scape_train.schedule import lr_at
+from scape_train.tracking import init_wandb
+
+log = logging.getLogger("scape_train")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens: int = 0
+    nan_skips: int = 0            # consecutive skipped steps (nan_policy=skip)
+    wandb_run_id: str | None = None
+
+
+class _StopSignal:
+    """SIGTERM/SIGINT (preemption) set a flag; the loop checkpoints at the end of the step."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. called from a worker): no handler
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:  # a second signal: stop at once
+            raise KeyboardInterrupt
+        log.warning("signal %d received: checkpointing at the end of this step, then exiting", signum)
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def autocast_context(cfg: Config, device: torch.device):
+    precision = cfg.trainer.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each block in backward; the composable API keeps parameter names unchanged."""
+    from torch.distributed._composable import checkpoint
+
+    for block in model.layers:
+        checkpoint(block)
+
+
+def evaluate(model, batches, autocast, info: D.DistInfo, limit: int = 0) -> float:
+    """Mean token loss over the fixed validation set (all ranks' shares)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i, (x, y) in enumerate(batches):
+            if limit and i >= limit:
+                break
+            x, y = x.to(info.device), y.to(info.device)
+            with autocast():
+                logits = model(x)
+            total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+            count += y.numel()
+    model.train(was_training)
+    total, count = D.all_reduce_scalars([total, float(count)], info, average=False)
+    return total / max(count, 1.0)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        t = cfg.trainer
+        if t.num_threads:
+            torch.set_num_threads(t.num_threads)
+        self.info = D.init_distributed(t.device, t.dist_timeout_s)
+        validate(cfg, self.info.world_size)
+        self.accum = grad_accum_steps(cfg, self.info.world_size)
+        self.run_dir = D.resolve_run_dir(cfg.run_dir, cfg.run_name, cfg.resume, self.info)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.info, t.keep_last)
+        self._refuse_to_overwrite()
+        seed_everything(t.seed)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self._build()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _refuse_to_overwrite(self) -> None:
+        if self.cfg.resume == "none" and self.ckpt.list():
+            raise CheckpointError(
+                f"{self.run_dir} already holds checkpoints; continue it with resume=auto, or "
+                "choose another run_dir. Nothing was changed.")
+
+    def _build(self) -> None:
+        from scape_train.data import build_tokenizer, build_train_loader, build_val_batches
+        from scape_train.models import build_model
+        from scape_train.optim import build_optimizer
+
+        cfg, info = self.cfg, self.info
+        # Rank 0 first: a tokenizer trained on the corpus is cached once, then read by the rest.
+        if not info.is_main:
+            D.barrier(info)
+        self.tokenizer = build_tokenizer(cfg.data)
+        if info.is_main:
+            D.barrier(info)
+        self.model = build_model(cfg.model, vocab_size=self.tokenizer.vocab_size, device=info.device)
+        self.comm = Comm()
+        self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm)
+        self.train_loader = build_train_loader(cfg.data, self.tokenizer, cfg.trainer.micro_batch_size,
+                                               info.rank, info.world_size)
+        self.val_batches = build_val_batches(cfg.data, self.tokenizer, cfg.trainer.micro_batch_size,
+                                             info.rank, info.world_size)
+        self.state = TrainState()
+        self._maybe_resume()
+        fwd_model = self.model
+        if cfg.trainer.activation_checkpointing:
+            apply_activation_checkpointing(fwd_model)
+        if cfg.trainer.compile:
+            fwd_model = torch.compile(fwd_model)
+        self.fwd_model = self.strategy.wrap_model(fwd_model)
+        self.autocast = autocast_context(cfg, info.device)
+        self.tokens_per_step = (cfg.trainer.micro_batch_size * self.accum * info.world_size
+                                * cfg.data.seq_len)
+        self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
+        self.peak = peak_flops(info.device) * info.world_size
+
+    def _meta(self) -> dict[str, Any]:
+        return {"model": dataclasses.asdict(self.model.cfg),
+                "tokenizer_fingerprint": self.tokenizer.fingerprint,
+                "tokens": self.state.tokens, "wandb_run_id": self.state.wandb_run_id,
+                "run_name": self.cfg.run_name}
+
+    def _resume_path(self) -> Path | None:
+        resume = self.cfg.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            path = self.ckpt.latest_valid()
+            if path is None:
+                log.info("resume=auto: no valid checkpoint in %s, starting fresh", self.ckpt.root)
+            return path
+        path = Path(resume)
+        if (path / "manifest.json").exists():
+            return path
+        found = CheckpointManager(path / "checkpoints", self.info).latest_valid()
+        if found is None:
+            raise CheckpointError(f"resume={resume}: no valid checkpoint there (expected a "
+                                  "checkpoint directory with manifest.json, or a run directory)")
+        return found
+
+    def _maybe_resume(self) -> None:
+        path = self._resume_path()
+        if path is None:
+            return
+        manifest, model_state, rank_state = self.ckpt.load(path)
+        meta = manifest["meta"]
+        ours = self._meta()
+        if meta["model"] != ours["model"]:
+            diff = {k: (meta["model"].get(k), v) for k, v in ours["model"].items()
+                    if meta["model"].get(k) != v}
+            raise CheckpointError(f"{path} was trained with another model shape "
+                                  f"(checkpoint vs now: {diff}); nothing was loaded or overwritten")
+        if meta["tokenizer_fingerprint"] != ours["tokenizer_fingerprint"]:
+            raise CheckpointError(f"{path} was trained with another tokenizer; use the same data."
+                                  "tokenizer settings to resume. Nothing was loaded or overwritten")
+        self.model.load_state_dict(model_state)
+        if rank_state["resharded"]:
+            log.warning("resuming %s saved with world size %d on world size %d", path,
+                        manifest["world_size"], self.info.world_size)
+        self.strategy.load_state_dict(rank_state["optimizer"])
+        self.train_loader.load_state_dict(rank_state["data"])
+        set_rng_state(rank_state["rng"])
+        self.state = TrainState(**rank_state["train"])
+        log.info("resumed from %s at step %d", path, self.state.step)
+
+    def save_checkpoint(self) -> Path:
+        rank_state = {"optimizer": self.strategy.state_dict(), "data": self.train_loader.state_dict(),
+                      "rng": get_rng_state(), "train": dataclasses.asdict(self.state)}
+        model_state = ({k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+                       if self.info.is_main else None)
+        return self.ckpt.save(self.state.step, model_state, rank_state, self._meta())
+
+    # -- one step --------------------------------------------------------------------------
+    def train_step(self, timer: StepTimer, stop: _StopSignal) -> dict[str, float]:
+        cfg, info, strategy = self.cfg, self.info, self.strategy
+        step = self.state.step + 1
+        lr = lr_at(step, kind=cfg.trainer.lr_schedule, peak=cfg.optimizer.lr,
+                   min_lr=cfg.optimizer.min_lr, warmup=cfg.trainer.warmup_steps,
+                   total=cfg.trainer.max_steps, decay_steps=cfg.trainer.decay_steps)
+        strategy.before_forward(step)
+        loss_sum = 0.0
+        for micro in range(self.accum):
+            with timer.phase("data"):
+                x, y = next(self.train_loader)
+                x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
+            with timer.phase("fwd_bwd"):
+                with strategy.sync_context(self.fwd_model, micro == self.accum - 1), self.autocast():
+                    logits = self.fwd_model(x)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / self.accum
+                loss.backward()
+            loss_sum += loss.item()
+        with timer.phase("optimizer"):
+            strategy.after_backward()
+            # One tiny collective agrees on the loss, a non-finite loss and a stop request.
+            loss_mean, bad, stop_any = D.all_reduce_scalars(
+                [loss_sum, float(not math.isfinite(loss_sum)), float(stop.requested)], info,
+                average=False)
+            loss_mean /= info.world_size
+            stop.requested = stop_any > 0
+            if bad > 0:
+                strategy.zero_grad()
+                return self._non_finite(step, loss_mean)
+            metrics = strategy.step(lr)
+            strategy.zero_grad()
+        self.state.nan_skips = 0
+        self.state.step = step
+        self.state.tokens += self.tokens_per_step
+        return {"loss": loss_mean, "lr": lr, **metrics}
+
+    def _non_finite(self, step: int, loss: float) -> dict[str, float]:
+        policy, t = self.cfg.trainer.nan_policy, self.cfg.trainer
+        self.state.nan_skips += 1
+        if policy == "stop" or self.state.nan_skips > t.max_nan_skips:
+            last = self.ckpt.latest_valid()
+            raise NonFiniteLossError(
+                f"non-finite loss ({loss}) at step {step}"
+                f"{f' ({self.state.nan_skips} in a row)' if policy == 'skip' else ''}. "
+                f"The last good checkpoint is {last or 'none (none was saved yet)'}; resume from it "
+                "with resume=auto, e.g. with a lower optimizer.lr, or set trainer.nan_policy=skip.")
+        log.warning("non-finite loss at step %d: step skipped (%d in a row)", step, self.state.nan_skips)
+        self.state.step = step  # the step is consumed (its data too), the weights unchanged
+        return {"loss": loss, "skipped_nonfinite": 1.0}
+
+    # -- the loop --------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        cfg, info, t = self.cfg, self.info, self.cfg.trainer
+        wandb_run = None
+        if info.is_main:
+            resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+            wandb_run, self.state.wandb_run_id = init_wandb(
+                cfg.logging.wandb, cfg.run_name, self.run_dir, resolved, self.state.wandb_run_id)
+        self.state.wandb_run_id = D.broadcast_object(self.state.wandb_run_id, info)
+        logger = MetricsLogger(self.run_dir, info.is_main, t.max_steps,
+                               cfg.logging.progress_bar, wandb_run, self.state.step)
+        timer = StepTimer(info.device)
+        summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
+        window_start, window_steps = time.perf_counter(), 0
+        try:
+            with _StopSignal() as stop:
+                while self.state.step < t.max_steps:
+                    metrics = self.train_step(timer, stop)
+                    step = self.state.step
+                    window_steps += 1
+                    if step % t.log_every == 0 or step == t.max_steps:
+                        elapsed = time.perf_counter() - window_start
+                        tok_s = self.tokens_per_step * window_steps / elapsed
+                        metrics.update({f"time/{k}_s": v / window_steps for k, v in timer.pop().items()})
+                        # per-step means over the logging window
+                        metrics.update({k: v / window_steps for k, v in self.comm.pop_stats().items()})
+                        metrics.update(self.train_loader.metrics())
+                        metrics.update(memory_metrics(info.device))
+                        metrics.update({"tokens_per_s": tok_s, "tokens": self.state.tokens,
+                                        "step_time_s": elapsed / window_steps,
+                                        "mfu": self.flops_per_token * tok_s / self.peak})
+                        logger.log(step, metrics)
+                        window_start, window_steps = time.perf_counter(), 0
+                    if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                        val = evaluate(self.fwd_model, self.val_batches, self.autocast, info, t.eval_batches)
+                        logger.log(step, {"val_loss": val})
+                        summary["val_loss"] = val
+                        window_start = time.perf_counter()  # validation time is not training time
+                    last = step == t.max_steps
+                    if (t.checkpoint_every and step % t.checkpoint_every == 0) or last or stop.requested:
+                        summary["checkpoint"] = str(self.save_checkpoint())
+                        window_start = time.perf_counter()
+                    logger.advance(step)
+                    if stop.requested:
+                        log.warning("stopped by signal after step %d; checkpoint %s",
+                                    step, summary.get("checkpoint"))
+                        summary["stopped_early"] = True
+                        break
+        finally:
+            logger.close()
+            self.train_loader.close()
+            self.strategy.close()
+        summary["step"] = self.state.step
+        if info.is_main and (self.run_dir / "metrics.jsonl").exists():
+            summary["loss_curve"] = str(plot_loss_curve(self.run_dir / "metrics.jsonl",
+                                                        self.run_dir / "loss_curve.png"))
+        if cfg.eval.enabled and not summary.get("stopped_early"):
+            from scape_train.eval.runner import evaluate_downstream
+
+            summary["downstream"] = evaluate_downstream(self.model, self.tokenizer, cfg.eval,
+                                                        self.run_dir, info, wandb_run)
+        if wandb_run is not None:
+            wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+            wandb_run.finish()
+        return summary
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Train as configured; returns a summary (run_dir, step, val_loss, checkpoint, loss_curve)."""
+    trainer = Trainer(cfg)
+    try:
+        summary = trainer.fit()
+    finally:
+        D.shutdown()
+    if trainer.info.is_main:
+        print(f"\nrun directory: {summary['run_dir']}")
+        for key in ("checkpoint", "loss_curve"):
+            if key in summary:
+                print(f"{key.replace('_', ' ')}: {summary[key]}")
+        print(f"metrics: {Path(summary['run_dir']) / 'metrics.jsonl'}")
+        if "val_loss" in summary:
+            print(f"final validation loss: {summary['val_loss']:.4f} at step {summary['step']}")
+    return summary
