@@ -18,11 +18,14 @@ from scape_train.data.config import DataConfig
 from scape_train.eval.config import EvalConfig
 from scape_train.models.config import ModelConfig
 from scape_train.optim.config import OptimizerConfig
+from scape_train.optim.local.config import StrategyConfig
 
 
 @dataclass
 class TrainerConfig:
     max_steps: int = 400
+    stop_after: int = 0               # end this invocation after N more steps (checkpointed), for
+                                      # time-sliced jobs; the schedule still runs to max_steps
     micro_batch_size: int = 8         # sequences per rank per forward
     global_batch_size: int = 0        # sequences per optimizer step; 0 = micro * world (no accum)
     lr_schedule: str = "cosine"       # cosine | wsd | constant
@@ -69,6 +72,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -81,6 +85,7 @@ def register_configs() -> None:
     cs.store(group="model", name="schema", node=ModelConfig)
     cs.store(group="data", name="schema", node=DataConfig)
     cs.store(group="optimizer", name="schema", node=OptimizerConfig)
+    cs.store(group="strategy", name="schema", node=StrategyConfig)
     cs.store(group="trainer", name="schema", node=TrainerConfig)
     cs.store(group="logging", name="schema", node=LoggingConfig)
     cs.store(group="eval", name="schema", node=EvalConfig)
@@ -121,6 +126,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto|cpu|cuda, got {t.device!r}")
     _check(t.nan_policy in ("stop", "skip"), f"trainer.nan_policy must be stop|skip, got {t.nan_policy!r}")
     _check(t.log_every > 0, "trainer.log_every must be > 0")
+    _check(t.stop_after >= 0, "trainer.stop_after must be >= 0 (0 = run to max_steps)")
     _check(t.eval_every >= 0 and t.checkpoint_every >= 0,
            "trainer.eval_every and trainer.checkpoint_every must be >= 0 (0 = only at the end)")
     _check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")

@@ -150,7 +150,12 @@ class Trainer:
             D.barrier(info)
         self.model = build_model(cfg.model, vocab_size=self.tokenizer.vocab_size, device=info.device)
         self.comm = Comm()
-        self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm)
+        if cfg.strategy.name == "data_parallel":
+            self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm)
+        else:  # DiLoCo / GASLoC: the optimizer group's optimizer takes the inner steps
+            from scape_train.optim.local import build_local_strategy
+
+            self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model, self.comm)
         self.train_loader = build_train_loader(cfg.data, self.tokenizer, cfg.trainer.micro_batch_size,
                                                info.rank, info.world_size)
         self.val_batches = build_val_batches(cfg.data, self.tokenizer, cfg.trainer.micro_batch_size,
@@ -171,6 +176,7 @@ class Trainer:
 
     def _meta(self) -> dict[str, Any]:
         return {"model": dataclasses.asdict(self.model.cfg),
+                "data": dataclasses.asdict(self.cfg.data),
                 "tokenizer_fingerprint": self.tokenizer.fingerprint,
                 "tokens": self.state.tokens, "wandb_run_id": self.state.wandb_run_id,
                 "run_name": self.cfg.run_name}
@@ -200,7 +206,7 @@ class Trainer:
         manifest, model_state, rank_state = self.ckpt.load(path)
         meta = manifest["meta"]
         ours = self._meta()
-        if meta["model"] != ours["model"]:
+        if meta.get("model") != ours["model"]:
             diff = {k: (meta["model"].get(k), v) for k, v in ours["model"].items()
                     if meta["model"].get(k) != v}
             raise CheckpointError(f"{path} was trained with another model shape "
@@ -247,10 +253,12 @@ class Trainer:
         with timer.phase("optimizer"):
             strategy.after_backward()
             # One tiny collective agrees on the loss, a non-finite loss and a stop request.
-            loss_mean, bad, stop_any = D.all_reduce_scalars(
-                [loss_sum, float(not math.isfinite(loss_sum)), float(stop.requested)], info,
-                average=False)
-            loss_mean /= info.world_size
+            # Local-step strategies make no per-step collective: each worker judges its own.
+            flags = [loss_sum, float(not math.isfinite(loss_sum)), float(stop.requested)]
+            if strategy.synchronous:
+                flags = D.all_reduce_scalars(flags, info, average=False)
+                flags[0] /= info.world_size
+            loss_mean, bad, stop_any = flags
             stop.requested = stop_any > 0
             if bad > 0:
                 strategy.zero_grad()
@@ -283,6 +291,8 @@ class Trainer:
         if info.is_main:
             resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+            # The tokenizer travels with the run, so evaluation and export need nothing else.
+            self.tokenizer.save_pretrained(self.run_dir / "tokenizer")
             wandb_run, self.state.wandb_run_id = init_wandb(
                 cfg.logging.wandb, cfg.run_name, self.run_dir, resolved, self.state.wandb_run_id)
         self.state.wandb_run_id = D.broadcast_object(self.state.wandb_run_id, info)
@@ -293,11 +303,16 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         try:
             with _StopSignal() as stop:
-                while self.state.step < t.max_steps:
+                done = self.strategy.progress(self.state.step) or 0
+                stop_at = done + t.stop_after if t.stop_after else None
+                while done < t.max_steps:
                     metrics = self.train_step(timer, stop)
                     step = self.state.step
                     window_steps += 1
-                    if step % t.log_every == 0 or step == t.max_steps:
+                    # ``agreed`` is the step count all ranks share (None between a local-step
+                    # strategy's sync points): validation, checkpoints and the end happen there.
+                    agreed = self.strategy.progress(step)
+                    if step % t.log_every == 0 or agreed == t.max_steps:
                         elapsed = time.perf_counter() - window_start
                         tok_s = self.tokens_per_step * window_steps / elapsed
                         metrics.update({f"time/{k}_s": v / window_steps for k, v in timer.pop().items()})
@@ -310,19 +325,24 @@ class Trainer:
                                         "mfu": self.flops_per_token * tok_s / self.peak})
                         logger.log(step, metrics)
                         window_start, window_steps = time.perf_counter(), 0
-                    if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                    if agreed is None:
+                        continue
+                    last = agreed >= t.max_steps
+                    if stop_at is not None and agreed >= stop_at and not last:
+                        stop.requested = True  # same path as a preemption: checkpoint, exit
+                    if _crossed(done, agreed, t.eval_every) or last:
                         val = evaluate(self.fwd_model, self.val_batches, self.autocast, info, t.eval_batches)
                         logger.log(step, {"val_loss": val})
                         summary["val_loss"] = val
                         window_start = time.perf_counter()  # validation time is not training time
-                    last = step == t.max_steps
-                    if (t.checkpoint_every and step % t.checkpoint_every == 0) or last or stop.requested:
+                    if _crossed(done, agreed, t.checkpoint_every) or last or stop.requested:
                         summary["checkpoint"] = str(self.save_checkpoint())
                         window_start = time.perf_counter()
-                    logger.advance(step)
+                    done = agreed
+                    logger.advance(agreed)
                     if stop.requested:
-                        log.warning("stopped by signal after step %d; checkpoint %s",
-                                    step, summary.get("checkpoint"))
+                        log.warning("stopped after step %d (signal or trainer.stop_after); "
+                                    "checkpoint %s", step, summary.get("checkpoint"))
                         summary["stopped_early"] = True
                         break
         finally:
@@ -342,6 +362,11 @@ class Trainer:
             wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
             wandb_run.finish()
         return summary
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Did the step count pass a multiple of ``every`` in (before, after]?"""
+    return every > 0 and after // every > before // every
 
 
 def run(cfg: Config) -> dict[str, Any]:

@@ -32,6 +32,17 @@ class OptimizerStrategy:
     #: the torch optimizer(s) doing the local update; subclasses set it.
     optimizer: torch.optim.Optimizer | None = None
 
+    #: False for local-step strategies (DiLoCo, GASLoC): workers may take different numbers of
+    #: inner steps between exchanges, so the trainer issues no per-step collective and only
+    #: validates, checkpoints and stops at sync points (see ``progress``).
+    synchronous: bool = True
+
+    def progress(self, step: int) -> int | None:
+        """The step count every rank agrees on after local step ``step``, or ``None`` when this
+        is not a sync point. Data-parallel strategies: every step is one. Local-step strategies
+        return the nominal step (rounds done x H) at the end of each round."""
+        return step
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
 

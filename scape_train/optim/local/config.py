@@ -1,0 +1,23 @@
+"""Local-step strategies' typed config (Hydra group ``strategy``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class StrategyConfig:
+    # data_parallel: the optimizer group's own communication every step (DDP, SCAPE, ...)
+    # diloco | gasloc: local inner steps with the optimizer group's optimizer, then an exchange
+    name: str = "data_parallel"
+    topology: str = "complete"        # gasloc: complete | 1peer | 2peer
+    inner_steps: int = 30             # H
+    inner_steps_per_worker: List[int] = field(default_factory=list)  # per-rank H_i (overrides H)
+    round_budget_s: float = 0.0       # > 0: rounds bounded by wall-clock; slow workers take fewer steps
+    outer_lr: float = 0.7             # eta
+    outer_momentum: float = 0.9       # mu (DiLoCo) / gamma (GASLoC)
+    outer_state_on_cpu: bool = False
+    mix_momentum: bool = True         # ablation: False mixes y and adds the momentum term after
+    seed: int = 0                     # the mixing graph's RNG seed (with the round number)
+    max_rounds: Optional[int] = None  # None: trainer.max_steps // inner_steps
