@@ -121,6 +121,11 @@ class Trainer:
         self.info = D.init_distributed(t.device, t.dist_timeout_s)
         validate(cfg, self.info.world_size)
         self.accum = grad_accum_steps(cfg, self.info.world_size)
+        self.eval_tasks = None
+        if cfg.eval.enabled:  # a task-name typo fails now, not after hours of training
+            from scape_train.eval.tasks import prepare_tasks
+
+            self.eval_tasks = prepare_tasks(cfg.eval)
         self.run_dir = D.resolve_run_dir(cfg.run_dir, cfg.run_name, cfg.resume, self.info)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.info, t.keep_last)
         self._refuse_to_overwrite()
@@ -206,14 +211,14 @@ class Trainer:
         manifest, model_state, rank_state = self.ckpt.load(path)
         meta = manifest["meta"]
         ours = self._meta()
+        if meta["tokenizer_fingerprint"] != ours["tokenizer_fingerprint"]:
+            raise CheckpointError(f"{path} was trained with another tokenizer; use the same data."
+                                  "tokenizer settings to resume. Nothing was loaded or overwritten")
         if meta.get("model") != ours["model"]:
             diff = {k: (meta["model"].get(k), v) for k, v in ours["model"].items()
                     if meta["model"].get(k) != v}
             raise CheckpointError(f"{path} was trained with another model shape "
                                   f"(checkpoint vs now: {diff}); nothing was loaded or overwritten")
-        if meta["tokenizer_fingerprint"] != ours["tokenizer_fingerprint"]:
-            raise CheckpointError(f"{path} was trained with another tokenizer; use the same data."
-                                  "tokenizer settings to resume. Nothing was loaded or overwritten")
         self.model.load_state_dict(model_state)
         if rank_state["resharded"]:
             log.warning("resuming %s saved with world size %d on world size %d", path,
@@ -225,6 +230,14 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.state.step)
 
     def save_checkpoint(self) -> Path:
+        # Never write a checkpoint that cannot be resumed from: non-finite weights can appear one
+        # step before the loss shows them (the update that overflows comes after the forward).
+        bad = float(not all(torch.isfinite(p).all() for p in self.model.parameters()))
+        if D.all_reduce_scalars([bad], self.info, average=False)[0] > 0:
+            raise NonFiniteLossError(
+                f"non-finite parameters after step {self.state.step}: not checkpointed. The last "
+                f"good checkpoint is {self.ckpt.latest_valid() or 'none'}; resume from it with "
+                "resume=auto, e.g. with a lower optimizer.lr or optimizer.clip_grad > 0.")
         rank_state = {"optimizer": self.strategy.state_dict(), "data": self.train_loader.state_dict(),
                       "rng": get_rng_state(), "train": dataclasses.asdict(self.state)}
         model_state = ({k: v.detach().cpu() for k, v in self.model.state_dict().items()}
@@ -356,8 +369,9 @@ class Trainer:
         if cfg.eval.enabled and not summary.get("stopped_early"):
             from scape_train.eval.runner import evaluate_downstream
 
-            summary["downstream"] = evaluate_downstream(self.model, self.tokenizer, cfg.eval,
-                                                        self.run_dir, info, wandb_run)
+            summary["downstream"] = evaluate_downstream(
+                self.model, self.tokenizer, cfg.eval, self.run_dir, info, wandb_run,
+                setup=self.eval_tasks)
         if wandb_run is not None:
             wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
             wandb_run.finish()
