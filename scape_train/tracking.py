@@ -4,10 +4,19 @@ so a resumed job continues the same W&B run."""
 from __future__ import annotations
 
 import logging
+import secrets
+import string
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+def new_run_id() -> str:
+    """An 8-character W&B-style id ([a-z0-9]), generated here: the helper's location in the
+    wandb package has moved between releases."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 def init_wandb(cfg_wandb, run_name: str, run_dir: Path, config: dict[str, Any],
@@ -17,7 +26,7 @@ def init_wandb(cfg_wandb, run_name: str, run_dir: Path, config: dict[str, Any],
         return None, run_id
     import wandb
 
-    run_id = run_id or wandb.util.generate_id()
+    run_id = run_id or new_run_id()
     try:
         run = wandb.init(project=cfg_wandb.project, entity=cfg_wandb.entity,
                          name=cfg_wandb.name or run_name, group=cfg_wandb.group,

@@ -112,3 +112,17 @@ def test_ddp_two_ranks_one_run_dir(tmp_path, tok_cache):
     ckpt = CheckpointManager(tmp_path / "checkpoints", None).latest_valid()
     assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "model.pt",
                                                       "rank_00000.pt", "rank_00001.pt"]
+
+
+def test_wandb_offline_logs_config_and_resumes_same_run(tmp_path, tok_cache):
+    """W&B offline: the run id is saved in the checkpoint and reused on resume."""
+    first = run(job(tmp_path, tok_cache, "trainer.max_steps=4", "trainer.stop_after=2",
+                    "logging.wandb.mode=offline"))
+    mgr = CheckpointManager(tmp_path / "checkpoints", None)
+    run_id = json.loads((mgr.latest_valid() / "manifest.json").read_text())["meta"]["wandb_run_id"]
+    assert first["stopped_early"] and len(run_id) == 8
+    run(job(tmp_path, tok_cache, "trainer.max_steps=4", "resume=auto", "logging.wandb.mode=offline"))
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)
+    final = json.loads((mgr.latest_valid() / "manifest.json").read_text())["meta"]
+    assert final["wandb_run_id"] == run_id
