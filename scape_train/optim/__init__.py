@@ -1,0 +1,101 @@
+"""Optimizer strategies by name: ``build_optimizer(cfg, model, comm)``.
+
+    adamw       dense DDP + torch AdamW (foreach)
+    adams       dense DDP + AdamS (one state per parameter)
+    scape       SCAPE: AdamS momentum top-k with error feedback, no DDP (replicated or sharded)
+    topk_adamw  raw-gradient top-k with error feedback + AdamW (DGC-like baseline)
+    powersgd    DDP + torch's PowerSGD comm hook + AdamW
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from .adams import BIAS_CORRECTIONS
+from .base import OptimizerStrategy
+from .comm import Comm
+from .config import OptimizerConfig
+from .density import SCHEDULES
+from .scape.partition import PARTITIONERS
+
+
+def _adamw(cfg, model, comm):
+    from .dense import DenseStrategy
+    return DenseStrategy(cfg, model, comm, adams=False)
+
+
+def _adams(cfg, model, comm):
+    from .dense import DenseStrategy
+    return DenseStrategy(cfg, model, comm, adams=True)
+
+
+def _scape(cfg, model, comm):
+    from .scape.strategy import ScapeStrategy
+    return ScapeStrategy(cfg, model, comm)
+
+
+def _topk(cfg, model, comm):
+    from .topk import TopKAdamWStrategy
+    return TopKAdamWStrategy(cfg, model, comm)
+
+
+def _powersgd(cfg, model, comm):
+    from .powersgd import PowerSGDStrategy
+    return PowerSGDStrategy(cfg, model, comm)
+
+
+OPTIMIZERS: dict[str, Callable[[OptimizerConfig, nn.Module, Comm | None], OptimizerStrategy]] = {
+    "adamw": _adamw, "adams": _adams, "scape": _scape, "topk_adamw": _topk,
+    "powersgd": _powersgd,
+}
+
+
+def validate(cfg: OptimizerConfig) -> None:
+    """Raise ValueError naming the field, the bad value and what is allowed."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"optimizer config: {msg}")
+
+    need(cfg.name in OPTIMIZERS,
+         f"unknown optimizer name {cfg.name!r}; valid names: {sorted(OPTIMIZERS)}")
+    need(cfg.lr >= 0 and cfg.min_lr >= 0, f"lr and min_lr must be >= 0, got {cfg.lr}, {cfg.min_lr}")
+    need(len(cfg.betas) == 2 and all(0.0 <= b < 1.0 for b in cfg.betas),
+         f"betas must be two values in [0, 1), got {list(cfg.betas)}")
+    need(cfg.eps >= 0, f"eps must be >= 0, got {cfg.eps}")
+    need(cfg.name != "scape" or cfg.eps > 0,
+         "scape needs eps > 0 (off-mask coordinates have v = 0 denominators once m decays)")
+    need(cfg.weight_decay >= 0, f"weight_decay must be >= 0, got {cfg.weight_decay}")
+    need(cfg.clip_grad >= 0, f"clip_grad must be >= 0 (0 = off), got {cfg.clip_grad}")
+    need(cfg.bias_correction in BIAS_CORRECTIONS,
+         f"bias_correction must be one of {list(BIAS_CORRECTIONS)}, got {cfg.bias_correction!r}")
+    need(0.0 < cfg.density <= 1.0,
+         f"density must be in (0, 1] (0.1 = 90% sparsity, 0.01 = 99%), got {cfg.density}")
+    need(cfg.density_warmup_steps >= 0,
+         f"density_warmup_steps must be >= 0, got {cfg.density_warmup_steps}")
+    need(cfg.density_schedule in SCHEDULES,
+         f"density_schedule must be one of {list(SCHEDULES)}, got {cfg.density_schedule!r}")
+    need(cfg.partitioner in PARTITIONERS,
+         f"partitioner must be one of {list(PARTITIONERS)}, got {cfg.partitioner!r}")
+    need(cfg.offload_chunk_numel > 0,
+         f"offload_chunk_numel must be > 0, got {cfg.offload_chunk_numel}")
+    need(cfg.use_triton in ("auto", "on", "off"),
+         f"use_triton must be auto, on or off, got {cfg.use_triton!r}")
+    need(cfg.powersgd_rank >= 1, f"powersgd_rank must be >= 1, got {cfg.powersgd_rank}")
+    need(cfg.powersgd_start_iter >= 2,
+         f"powersgd_start_iter must be >= 2 (torch's hook needs it with error feedback), "
+         f"got {cfg.powersgd_start_iter}")
+    need(not cfg.sharded or cfg.name == "scape", "sharded=true applies only to optimizer scape")
+    need(not cfg.offload_residuals or cfg.name == "scape",
+         "offload_residuals=true applies only to optimizer scape")
+
+
+def build_optimizer(cfg: OptimizerConfig, model: nn.Module,
+                    comm: Comm | None = None) -> OptimizerStrategy:
+    """The strategy named by ``cfg.name`` over ``model`` (build before ``wrap_model``)."""
+    validate(cfg)
+    return OPTIMIZERS[cfg.name](cfg, model, comm if comm is not None else Comm())
+
+
+__all__ = ["OPTIMIZERS", "OptimizerConfig", "OptimizerStrategy", "build_optimizer", "validate"]

@@ -1,0 +1,90 @@
+"""Mask building (top-k per owned segment) and the packed-bit all-gather of the next mask.
+
+Each owner selects ``k = max(1, floor(d·numel))`` entries of ``|c|`` per segment; excluded tensors
+(biases, norm gains) are all ones. The owners' bits travel packed (1 bit per element) in ONE
+all-gather, started asynchronously at the end of step t and waited on inside step t+1, so that it
+overlaps the forward and backward passes. Ranks own contiguous flat ranges, so the global mask is
+the concatenation of the owners' pieces: no union fill-in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm, Handle
+from ..density import segment_k
+from .kernels import pack_bits, packed_numel, unpack_bits
+from .partition import ParamLayout, PartitionMap
+
+
+def topk_own_mask(stat_own: torch.Tensor, part: PartitionMap, rank: int, layout: ParamLayout,
+                  density: float) -> torch.Tensor:
+    """The owner's bits over its range ``[lo, hi)``: top-k of ``|stat|`` per segment."""
+    lo, hi = part.ranges[rank]
+    bits = torch.zeros(hi - lo, dtype=torch.bool, device=stat_own.device)
+    for seg in part.segments[rank]:
+        a = seg.flat_start - lo
+        piece = bits[a:a + seg.numel]
+        k = segment_k(seg.numel, density)
+        if layout.excluded[seg.tensor] or k >= seg.numel:
+            piece.fill_(True)
+        else:
+            idx = torch.topk(stat_own[a:a + seg.numel].abs(), k, sorted=False).indices
+            piece[idx] = True
+    return bits
+
+
+class PendingMask:
+    """An in-flight next-mask all-gather; :meth:`wait` returns the full bool mask."""
+
+    def __init__(self, handle: Handle | None, gathered: torch.Tensor | None,
+                 exchange: "MaskExchange", ready: torch.Tensor | None = None):
+        self._handle, self._gathered, self._exchange = handle, gathered, exchange
+        self._mask = ready
+
+    def wait(self) -> torch.Tensor:
+        if self._mask is None:
+            assert self._handle is not None and self._gathered is not None
+            self._handle.wait()
+            self._mask = self._exchange.assemble(self._gathered)
+            self._gathered = None
+        return self._mask
+
+    @classmethod
+    def ready(cls, mask: torch.Tensor, exchange: "MaskExchange") -> "PendingMask":
+        return cls(None, None, exchange, ready=mask)
+
+
+class MaskExchange:
+    """Packs an owner's bits, all-gathers every owner's bytes (kind ``mask``), reassembles."""
+
+    def __init__(self, part: PartitionMap, comm: Comm, total: int, backend: str = "auto"):
+        self.part, self.comm, self.total, self.backend = part, comm, total, backend
+        self.lengths = [hi - lo for lo, hi in part.ranges]
+        # Uneven ranges: every rank sends the largest packed length; the padding is counted.
+        self.shard_bytes = max(1, max(packed_numel(n) for n in self.lengths))
+
+    def start(self, own_bits: torch.Tensor, async_op: bool = True) -> PendingMask:
+        rank = self.comm.rank
+        if own_bits.numel() != self.lengths[rank]:
+            raise ValueError(f"rank {rank} owns {self.lengths[rank]} elements, got "
+                             f"{own_bits.numel()} mask bits")
+        shard = torch.zeros(self.shard_bytes, dtype=torch.uint8, device=own_bits.device)
+        packed = pack_bits(own_bits, backend=self.backend)
+        shard[:packed.numel()] = packed
+        gathered = torch.empty(self.shard_bytes * self.comm.world, dtype=torch.uint8,
+                               device=own_bits.device)
+        handle = self.comm.all_gather(gathered, shard, kind="mask", async_op=async_op)
+        pending = PendingMask(handle, gathered, self)
+        return pending
+
+    def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
+        pieces = []
+        for r, n in enumerate(self.lengths):
+            if n:
+                b = gathered[r * self.shard_bytes: r * self.shard_bytes + packed_numel(n)]
+                pieces.append(unpack_bits(b, n, backend=self.backend))
+        mask = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.bool)
+        if mask.numel() != self.total:
+            raise RuntimeError(f"assembled mask has {mask.numel()} bits, expected {self.total}")
+        return mask

@@ -1,0 +1,99 @@
+"""SCAPE with replicated state (spec §2): every rank holds θ, the full momentum m, its residual.
+
+Per step (lines 1-7; the next mask, line 8, is the strategy's job):
+
+    c^(r) = β1·m + (1-β1)·g^(r) + e^(r)                    prepare(): one pass over e
+    e^(r) = (1 - M) ⊙ c^(r)                                 (same pass when M is known)
+    b̄     = mean_r c^(r)[M]                                  ONE all-reduce of the payload
+    ĝ     = M ⊙ (b̄ - β1·m) / (1-β1);  clip ĝ by its global norm
+    m, θ  ← AdamS(m, ĝ) with m zeroed off M                 off M: θ ← (1 - lr·wd)·θ
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..adams import adams_update_
+from ..comm import Comm
+from ..config import OptimizerConfig
+from .kernels import gather_masked, scatter_masked
+from .partition import ParamLayout, PartitionMap
+from .residual import ResidualStore
+
+
+def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, C / (‖ĝ‖ + 1e-6))`` as a tensor, like ``clip_grad_norm_``."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+class ReplicatedScape:
+    mode = "replicated"
+
+    def __init__(self, layout: ParamLayout, part: PartitionMap, cfg: OptimizerConfig, comm: Comm,
+                 backend: str):
+        self.layout, self.part, self.cfg, self.comm, self.backend = layout, part, cfg, comm, backend
+        dev, n = layout.device, layout.total
+        self.m = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.residual = ResidualStore(n, dev, cfg.offload_residuals, cfg.offload_chunk_numel)
+        self.record = False          # tests: keep this step's candidate in ``last``
+        self.last: dict[str, torch.Tensor] = {}
+        self._c: torch.Tensor | None = None
+        self._res_sq = 0.0
+
+    # -- line 1 (and 3) ------------------------------------------------------------------------
+    def prepare(self, g: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Local candidate ``c``; folds the residual when ``mask`` is known. Returns ``c`` on the
+        owned range (the next-mask statistic)."""
+        beta1 = self.cfg.betas[0]
+        c = torch.mul(self.m, beta1).add_(g, alpha=1.0 - beta1)
+        self._res_sq = self.residual.fold(c, mask)
+        self._c = c
+        lo, hi = self.part.ranges[self.comm.rank]
+        return c[lo:hi]
+
+    def finish_residual(self, mask: torch.Tensor) -> None:
+        assert self._c is not None
+        self._res_sq = self.residual.set_from(self._c, mask)
+
+    # -- lines 2, 4-7 --------------------------------------------------------------------------
+    def update(self, mask: torch.Tensor, lr: float, step: int) -> dict[str, float]:
+        cfg, c = self.cfg, self._c
+        assert c is not None, "prepare() first"
+        beta1, beta2 = cfg.betas
+        if self.record:
+            self.last = {"c": c.clone(), "m_prev": self.m.clone()}
+        payload = gather_masked(c, mask, backend=self.backend)
+        self.comm.all_reduce(payload, kind="payload", average=True)
+        ghat_c = gather_masked(self.m, mask, backend=self.backend)
+        ghat_c.mul_(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
+        norm = torch.linalg.vector_norm(ghat_c)
+        if cfg.clip_grad > 0:
+            ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
+        ghat = torch.zeros_like(c)
+        scatter_masked(ghat_c, mask, ghat, backend=self.backend)
+        if self.record:
+            self.last.update(payload=payload.clone(), ghat=ghat.clone())
+        for i, p in enumerate(self.layout.params):
+            a, b = self.layout.offsets[i], self.layout.offsets[i + 1]
+            adams_update_(p.data.view(-1), self.m[a:b], ghat[a:b], step=step, lr=lr,
+                          beta1=beta1, beta2=beta2, eps=cfg.eps,
+                          weight_decay=self.layout.weight_decay[i],
+                          bias_correction=cfg.bias_correction, mask=mask[a:b])
+        self._c = None
+        return {"grad_norm": float(norm), "scape/payload_numel": float(payload.numel()),
+                "scape/residual_norm": math.sqrt(self._res_sq)}
+
+    # -- state in model space ------------------------------------------------------------------
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Flat momentum, rank-independent residual part (none here) and this rank's residual."""
+        return {"momentum": self.m.clone(), "residual": self.residual.full()}
+
+    def load_full_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
+                        residual: torch.Tensor | None) -> None:
+        self.m.copy_(momentum)
+        total = residual if residual is not None else torch.zeros_like(self.m)
+        if shared is not None:       # from a sharded checkpoint: e = ρ + ε
+            total = total + shared
+        self.residual.load(total)

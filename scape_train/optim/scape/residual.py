@@ -1,0 +1,80 @@
+"""Where a rank's full-size residual lives: device memory, or host memory walked in chunks.
+
+Both engines fold their residual the same way, in ONE pass over it:
+
+    w ← w + e_{t-1};   e_t ← (1 - M_t) ⊙ w        (w = β1·m + (1-β1)·g, or (1-β1)·g when sharded)
+
+The work is elementwise, so running it chunk by chunk through :class:`HostBuffer` (offload) gives
+bit-identical results to running it on the whole device tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .offload import HostBuffer
+
+
+class ResidualStore:
+    def __init__(self, numel: int, device: torch.device, offload: bool, chunk_numel: int):
+        self.numel, self.device, self.offload = numel, device, offload
+        if offload:
+            self._host = HostBuffer(numel, torch.float32, device, chunk_numel,
+                                    pin=device.type == "cuda")
+            self._dev = None
+        else:
+            self._host = None
+            self._dev = torch.zeros(numel, dtype=torch.float32, device=device)
+
+    def _each(self, fn, writeback: bool = True) -> None:
+        if self._host is not None:
+            self._host.for_each_chunk(fn, writeback=writeback)
+        else:
+            fn(0, self.numel, self._dev)
+
+    def fold(self, w: torch.Tensor, mask: torch.Tensor | None) -> float:
+        """``w += e``; then, if ``mask`` is given, ``e = w`` off the mask and 0 on it.
+
+        Returns ``||e_new||²`` (0.0 when the mask was not given and ``e`` was only read).
+        """
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+
+        def fn(s: int, e: int, chunk: torch.Tensor) -> None:
+            w[s:e].add_(chunk)
+            if mask is not None:
+                chunk.copy_(w[s:e]).masked_fill_(mask[s:e], 0.0)
+                sq.add_(chunk.double().square().sum())
+
+        self._each(fn, writeback=mask is not None)
+        return float(sq)
+
+    def set_from(self, w: torch.Tensor, mask: torch.Tensor) -> float:
+        """``e = (1 - M) ⊙ w`` (the first step, when the mask is known only after ``w``)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+
+        def fn(s: int, e: int, chunk: torch.Tensor) -> None:
+            chunk.copy_(w[s:e]).masked_fill_(mask[s:e], 0.0)
+            sq.add_(chunk.double().square().sum())
+
+        self._each(fn)
+        return float(sq)
+
+    def full(self) -> torch.Tensor:
+        """A device copy of the whole residual (checkpoints, tests)."""
+        if self._host is not None:
+            return self._host.host.to(self.device, copy=True)
+        return self._dev.clone()
+
+    def load(self, flat: torch.Tensor) -> None:
+        if flat.numel() != self.numel:
+            raise ValueError(f"residual has {flat.numel()} elements, expected {self.numel}")
+        if self._host is not None:
+            self._host.host.copy_(flat.reshape(-1).cpu())
+        else:
+            self._dev.copy_(flat.reshape(-1))
+
+    def zero_(self) -> None:
+        if self._host is not None:
+            self._host.zero_()
+        else:
+            self._dev.zero_()

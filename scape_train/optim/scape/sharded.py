@@ -1,0 +1,168 @@
+"""SCAPE with ZeRO-1 sharded state (spec §3), equal to the replicated mode up to rounding.
+
+Only the owner of a flat range stores its momentum ``m`` and the rank-independent residual ``ρ``;
+every rank keeps its own full-size residual ``ε^(r)`` (the part that depends on its gradient):
+
+    x^(r) = (1-β1)·g^(r) + ε^(r);      ε^(r) ← (1-M) ⊙ x^(r)               prepare()
+    S     = reduce_scatter_avg(x^(r)[M], split by owner)                   kind ``payload``
+    owner: base = β1·m + ρ;  b̄ = S + base[M];  ρ ← (1-M) ⊙ base;  ĝ, clip, AdamS as §2
+    owner: statistic = base + x^(o) = c^(o)
+    θ: everyone applies (1 - lr·wd) off the mask; owners all-gather their new values at the mask
+       positions (kind ``params``) -- k values, never a dense parameter all-gather.
+
+Owners' payload pieces have different lengths (the mask's popcount per owned range): both the
+reduce-scatter and the all-gather pad every piece to the largest; the padding is counted as sent.
+The clipping norm needs one scalar all-reduce (kind ``norm``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..adams import adams_update_
+from ..comm import Comm
+from ..config import OptimizerConfig
+from .kernels import gather_masked, scatter_masked
+from .partition import ParamLayout, PartitionMap
+from .replicated import clip_coef
+from .residual import ResidualStore
+
+
+class ShardedScape:
+    mode = "sharded"
+
+    def __init__(self, layout: ParamLayout, part: PartitionMap, cfg: OptimizerConfig, comm: Comm,
+                 backend: str):
+        self.layout, self.part, self.cfg, self.comm, self.backend = layout, part, cfg, comm, backend
+        dev = layout.device
+        self.lo, self.hi = part.ranges[comm.rank]
+        own = self.hi - self.lo
+        self.m = torch.zeros(own, dtype=torch.float32, device=dev)     # owner's momentum
+        self.rho = torch.zeros(own, dtype=torch.float32, device=dev)   # owner's shared residual
+        self.residual = ResidualStore(layout.total, dev, cfg.offload_residuals,
+                                      cfg.offload_chunk_numel)        # ε^(r), full size
+        self.record = False
+        self.last: dict[str, torch.Tensor] = {}
+        self._x: torch.Tensor | None = None
+        self._res_sq = 0.0
+
+    def prepare(self, g: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = torch.mul(g, 1.0 - self.cfg.betas[0])
+        self._res_sq = self.residual.fold(x, mask)
+        self._x = x
+        return self._base().add_(x[self.lo:self.hi])                  # = c^(o) on the own range
+
+    def finish_residual(self, mask: torch.Tensor) -> None:
+        assert self._x is not None
+        self._res_sq = self.residual.set_from(self._x, mask)
+
+    def _base(self) -> torch.Tensor:
+        return torch.mul(self.m, self.cfg.betas[0]).add_(self.rho)
+
+    def _segment_counts(self, mask: torch.Tensor) -> list[list[int]]:
+        """Popcount of the mask on every segment of every rank (one host sync)."""
+        segs = [s for rank_segs in self.part.segments for s in rank_segs]
+        if not segs:
+            return [[] for _ in self.part.segments]
+        flat = torch.stack([mask[s.flat_start:s.flat_start + s.numel].sum() for s in segs]).tolist()
+        out, i = [], 0
+        for rank_segs in self.part.segments:
+            out.append(flat[i:i + len(rank_segs)])
+            i += len(rank_segs)
+        return out
+
+    def update(self, mask: torch.Tensor, lr: float, step: int) -> dict[str, float]:
+        cfg, x, comm, lay = self.cfg, self._x, self.comm, self.layout
+        assert x is not None, "prepare() first"
+        beta1, beta2 = cfg.betas
+        world, rank = comm.world, comm.rank
+        seg_counts = self._segment_counts(mask)
+        counts = [sum(c) for c in seg_counts]
+        width = max(1, max(counts))
+        # Payload: this rank's x at every mask position, in flat order = owner order; pad each
+        # owner's piece to ``width`` so one reduce-scatter hands each owner its piece.
+        payload = gather_masked(x, mask, backend=self.backend)
+        send = torch.zeros(world * width, dtype=torch.float32, device=x.device)
+        start = 0
+        for r, k in enumerate(counts):
+            send[r * width: r * width + k] = payload[start:start + k]
+            start += k
+        recv = torch.empty(width, dtype=torch.float32, device=x.device)
+        comm.reduce_scatter(recv, send, kind="payload", average=True)
+        k_own = counts[rank]
+        own_mask = mask[self.lo:self.hi]
+        base = self._base()
+        b_c = recv[:k_own].add_(gather_masked(base, own_mask, backend=self.backend))
+        ghat_c = gather_masked(self.m, own_mask, backend=self.backend)
+        ghat_c.mul_(-beta1).add_(b_c).div_(1.0 - beta1)
+        sq = ghat_c.double().square().sum().float().reshape(1)
+        comm.all_reduce(sq, kind="norm", average=False)
+        norm = sq.sqrt()[0]
+        if cfg.clip_grad > 0:
+            ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
+        self.rho = base.masked_fill_(own_mask, 0.0)
+        ghat = torch.zeros_like(self.m)
+        scatter_masked(ghat_c, own_mask, ghat, backend=self.backend)
+        for seg in self.part.segments[rank]:
+            a = seg.flat_start - self.lo
+            sl = slice(a, a + seg.numel)
+            adams_update_(lay.flat_view(seg.tensor)[seg.start:seg.end], self.m[sl], ghat[sl],
+                          step=step, lr=lr, beta1=beta1, beta2=beta2, eps=cfg.eps,
+                          weight_decay=lay.weight_decay[seg.tensor],
+                          bias_correction=cfg.bias_correction, mask=own_mask[sl])
+        self._sync_params(mask, lr, counts, seg_counts, width)
+        self._x = None
+        return {"grad_norm": float(norm), "scape/payload_numel": float(payload.numel()),
+                "scape/residual_norm": math.sqrt(self._res_sq)}
+
+    def _sync_params(self, mask: torch.Tensor, lr: float, counts: list[int],
+                     seg_counts: list[list[int]], width: int) -> None:
+        lay, rank = self.layout, self.comm.rank
+        own = [lay.flat_view(s.tensor)[s.start:s.end] for s in self.part.segments[rank]]
+        shard = torch.zeros(width, dtype=torch.float32, device=lay.device)
+        if own:
+            vals = gather_masked(torch.cat(own), mask[self.lo:self.hi], backend=self.backend)
+            shard[:vals.numel()] = vals
+        gathered = torch.empty(width * self.comm.world, dtype=torch.float32, device=lay.device)
+        self.comm.all_gather(gathered, shard, kind="params")
+        for r, segs in enumerate(self.part.segments):
+            if r == rank:
+                continue
+            at = r * width
+            for seg, k in zip(segs, seg_counts[r]):
+                view = lay.flat_view(seg.tensor)[seg.start:seg.end]
+                wd = lay.weight_decay[seg.tensor]
+                if wd != 0.0:
+                    view.mul_(1.0 - lr * wd)   # off-mask coordinates: weight decay only
+                m = mask[seg.flat_start:seg.flat_start + seg.numel]
+                scatter_masked(gathered[at:at + k], m, view, backend=self.backend)
+                at += k
+
+    # -- state in model space ------------------------------------------------------------------
+    def _gather_owned(self, t: torch.Tensor) -> torch.Tensor:
+        """The full flat tensor from every owner's range (checkpoint time only)."""
+        lengths = [hi - lo for lo, hi in self.part.ranges]
+        width = max(1, max(lengths))
+        shard = torch.zeros(width, dtype=t.dtype, device=t.device)
+        shard[:t.numel()] = t
+        out = torch.empty(width * self.comm.world, dtype=t.dtype, device=t.device)
+        self.comm.all_gather(out, shard, kind="checkpoint")
+        return torch.cat([out[r * width: r * width + n] for r, n in enumerate(lengths)])
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return {"momentum": self._gather_owned(self.m), "shared_residual": self._gather_owned(self.rho),
+                "residual": self.residual.full()}
+
+    def load_full_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
+                        residual: torch.Tensor | None) -> None:
+        self.m.copy_(momentum[self.lo:self.hi])
+        if shared is not None:
+            self.rho.copy_(shared[self.lo:self.hi])
+        else:                         # from a replicated checkpoint: ρ = 0, ε = e
+            self.rho.zero_()
+        if residual is not None:
+            self.residual.load(residual)
+        else:
+            self.residual.zero_()

@@ -1,0 +1,49 @@
+"""Shared pieces of the optimizer tests: a tiny model, per-rank data and a training loop."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from scape_train.optim import build_optimizer
+from scape_train.optim.comm import Comm
+from scape_train.optim.config import OptimizerConfig
+
+
+def tiny_model(seed: int = 0, width: int = 24, bias: bool = True) -> nn.Module:
+    """Matrices, biases and a norm gain (1-D tensors are excluded from masking)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, width, bias=bias), nn.LayerNorm(width), nn.Tanh(),
+                         nn.Linear(width, 10, bias=bias))
+
+
+def batch(step: int, rank: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 12, generator=g), torch.randn(n, 10, generator=g)
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def make(cfg: OptimizerConfig, seed: int = 0, width: int = 24, bias: bool = True):
+    model = tiny_model(seed, width, bias)
+    strategy = build_optimizer(cfg, model, Comm())
+    return strategy, strategy.wrap_model(model), model
+
+
+def train_step(strategy, wrapped: nn.Module, step: int, rank: int, lr: float = 1e-2,
+               micro: int = 1) -> dict[str, float]:
+    strategy.before_forward(step)
+    x, y = batch(step, rank, 8 * micro)
+    for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+        with strategy.sync_context(wrapped, i == micro - 1):
+            (loss_fn(wrapped, xs, ys) / micro).backward()
+    strategy.after_backward()
+    metrics = strategy.step(lr)
+    strategy.zero_grad()
+    return metrics

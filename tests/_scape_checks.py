@@ -1,0 +1,95 @@
+"""Record SCAPE steps on each rank and check the spec §2 invariants over all ranks' records."""
+
+from __future__ import annotations
+
+import torch
+
+from scape_train.optim.comm import ring_all_gather_bytes, ring_all_reduce_bytes
+from scape_train.optim.density import segment_k
+
+from ._optim_common import batch, flat_params, loss_fn
+
+
+def elementwise(layout, values: list[float]) -> torch.Tensor:
+    return torch.cat([torch.full((n,), float(v)) for n, v in zip(layout.numels, values)])
+
+
+def record_run(strategy, wrapped, rank: int, steps: int, lr: float = 1e-2) -> dict:
+    """Train ``steps`` steps of replicated SCAPE, keeping everything the checks need."""
+    strategy.engine.record = True
+    lay = strategy.layout
+    recs = []
+    for t in range(1, steps + 1):
+        before = flat_params(wrapped)
+        strategy.comm.pop_stats()
+        x, y = batch(t, rank)
+        loss_fn(wrapped, x, y).backward()
+        metrics = strategy.step(lr)
+        strategy.zero_grad()
+        stats = strategy.comm.pop_stats()
+        recs.append(dict(before=before, after=flat_params(wrapped), metrics=metrics, stats=stats,
+                         c=strategy.engine.last["c"], payload=strategy.engine.last["payload"],
+                         m_prev=strategy.engine.last["m_prev"], m=strategy.engine.m.clone(),
+                         e=strategy.engine.residual.full(), mask=strategy.mask_cur.clone(),
+                         next=strategy.next_mask().clone(), lr=lr))
+    return dict(recs=recs, wd=elementwise(lay, lay.weight_decay),
+                segments=strategy.part.segments, ranges=strategy.part.ranges,
+                excluded=list(lay.excluded), density=[strategy.density(t) for t in
+                                                      range(steps + 2)],
+                betas=tuple(strategy.cfg.betas), shard_bytes=strategy.exchange.shard_bytes)
+
+
+def check_invariants(results: list[dict], clip_active: bool) -> None:
+    n = len(results)
+    info = results[0]
+    steps = len(info["recs"])
+    for t in range(steps):
+        recs = [res["recs"][t] for res in results]
+        r0 = recs[0]
+        mask = r0["mask"]
+        # replicas identical after every step
+        for r in recs[1:]:
+            for key in ("after", "m", "mask", "next"):
+                assert torch.equal(r[key], r0[key]), f"step {t + 1}: {key} differs across ranks"
+        for rank, r in enumerate(recs):
+            # conservation: c = M⊙c + e exactly, e = 0 on the mask
+            assert torch.equal(r["e"], r["c"].masked_fill(mask, 0.0))
+            assert torch.equal(torch.where(mask, r["c"], 0.0) + r["e"], r["c"])
+        # off the mask: m = 0 and θ_t = (1 - lr·wd)·θ_{t-1}
+        assert torch.all(r0["m"][~mask] == 0)
+        decayed = r0["before"] * (1.0 - r0["lr"] * info["wd"])
+        assert torch.equal(r0["after"][~mask], decayed[~mask])
+        # payload: popcount long, the mean of every rank's candidate on the mask
+        ones = int(mask.sum())
+        assert r0["metrics"]["scape/payload_numel"] == ones == r0["payload"].numel()
+        mean_c = torch.stack([r["c"][mask] for r in recs]).mean(0)
+        torch.testing.assert_close(r0["payload"], mean_c, rtol=1e-5, atol=1e-7)
+        if not clip_active:   # m_t = M ⊙ b̄
+            torch.testing.assert_close(r0["m"][mask], r0["payload"], rtol=1e-5, atol=1e-7)
+        # next mask: exactly k per owned segment, all ones on excluded tensors, and it is the
+        # owner's top-k of its own candidate from this step
+        d_next = info["density"][t + 2]
+        for owner, segs in enumerate(info["segments"]):
+            c_owner = recs[owner]["c"]
+            for seg in segs:
+                sl = slice(seg.flat_start, seg.flat_start + seg.numel)
+                bits = r0["next"][sl]
+                if info["excluded"][seg.tensor]:
+                    assert bits.all()
+                    continue
+                k = segment_k(seg.numel, d_next)
+                assert int(bits.sum()) == k
+                top = torch.topk(c_owner[sl].abs(), k).indices
+                expect = torch.zeros_like(bits)
+                expect[top] = True
+                assert torch.equal(bits, expect), f"step {t + 1}: next mask is not owner top-k"
+        # the mask used at step t+1 is the one gathered at step t
+        if t + 1 < steps:
+            assert torch.equal(results[0]["recs"][t + 1]["mask"], r0["next"])
+        # counted bytes: one payload all-reduce and one packed-mask all-gather
+        if n > 1:
+            st = r0["stats"]
+            assert st["comm/payload_sent_bytes"] == ring_all_reduce_bytes(ones * 4, n)
+            gathers = 2 if t == 0 and info["density"][1] < 1 else 1   # + M_1, built synchronously
+            assert st["comm/mask_sent_bytes"] == gathers * ring_all_gather_bytes(
+                info["shard_bytes"], n)

@@ -1,0 +1,85 @@
+"""Comm: every collective gives the right result and counts the ring-algorithm bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scape_train.optim.comm import (Comm, ring_all_gather_bytes, ring_all_reduce_bytes,
+                                    ring_reduce_scatter_bytes)
+
+from ._dist import run_distributed
+
+
+def _comm_worker(rank, world):
+    comm = Comm()
+    out = {}
+    x = torch.full((6,), float(rank + 1))
+    comm.all_reduce(x, kind="payload")                       # mean
+    out["mean"] = x
+    y = torch.full((5,), float(rank + 1))
+    h = comm.all_reduce(y, kind="payload", average=False, async_op=True)
+    h.wait()
+    h.wait()                                                 # idempotent
+    out["sum"] = y
+    shard = torch.arange(3, dtype=torch.int64) + 10 * rank
+    gathered = torch.empty(3 * world, dtype=torch.int64)
+    comm.all_gather(gathered, shard, kind="mask", async_op=True).wait()
+    out["gathered"] = gathered
+    inp = torch.arange(2 * world, dtype=torch.float32) * (rank + 1)
+    rs = torch.empty(2)
+    comm.reduce_scatter(rs, inp, kind="params")
+    out["rs"] = rs
+    b = torch.full((4,), float(rank))
+    comm.broadcast(b, src=1, kind="params")
+    out["bcast"] = b
+    send = torch.full((2,), float(rank))
+    recv = torch.empty(2)
+    comm.exchange([(send, (rank + 1) % world)], [(recv, (rank - 1) % world)], kind="gossip")
+    out["recv"] = recv
+    out["stats"] = comm.pop_stats()
+    out["after_pop"] = comm.pop_stats()
+    return out
+
+
+def test_collectives_and_byte_counts_three_ranks():
+    world = 3
+    res = run_distributed(_comm_worker, world)
+    for rank, r in enumerate(res):
+        assert torch.equal(r["mean"], torch.full((6,), 2.0))
+        assert torch.equal(r["sum"], torch.full((5,), 6.0))
+        assert r["gathered"].tolist() == [0, 1, 2, 10, 11, 12, 20, 21, 22]
+        full = torch.arange(2 * world, dtype=torch.float32) * 2.0   # mean of (rank+1) = 2
+        assert torch.equal(r["rs"], full[2 * rank: 2 * rank + 2])
+        assert torch.equal(r["bcast"], torch.full((4,), 1.0))
+        assert torch.equal(r["recv"], torch.full((2,), float((rank - 1) % world)))
+        st = r["stats"]
+        assert st["comm/payload_sent_bytes"] == (ring_all_reduce_bytes(24, world)
+                                                 + ring_all_reduce_bytes(20, world))
+        assert st["comm/mask_sent_bytes"] == ring_all_gather_bytes(24, world)
+        params = ring_reduce_scatter_bytes(4 * 2 * world, world) + (16 if rank == 1 else 0)
+        assert st["comm/params_sent_bytes"] == params
+        assert st["comm/gossip_sent_bytes"] == 8 and st["comm/gossip_recv_bytes"] == 8
+        assert st["comm/sent_bytes"] == sum(v for k, v in st.items()
+                                            if k.endswith("_sent_bytes") and k != "comm/sent_bytes")
+        assert r["after_pop"]["comm/sent_bytes"] == 0
+
+
+def test_single_process_is_a_correct_no_op():
+    comm = Comm()
+    assert comm.world == 1 and comm.rank == 0
+    x = torch.arange(4.0)
+    comm.all_reduce(x, kind="payload")
+    assert torch.equal(x, torch.arange(4.0))
+    out = torch.empty(4)
+    comm.all_gather(out, torch.arange(4.0), kind="mask")
+    assert torch.equal(out, torch.arange(4.0))
+    assert comm.pop_stats()["comm/sent_bytes"] == 0
+
+
+@pytest.mark.parametrize("nbytes,world", [(1000, 2), (1000, 4), (7, 3)])
+def test_ring_formulas(nbytes, world):
+    assert ring_all_reduce_bytes(nbytes, world) == 2 * (world - 1) * nbytes // world
+    assert ring_all_gather_bytes(nbytes, world) == (world - 1) * nbytes
+    assert ring_reduce_scatter_bytes(nbytes, world) == (world - 1) * nbytes // world
+    assert ring_all_reduce_bytes(nbytes, 1) == 0

@@ -1,0 +1,185 @@
+"""SCAPE pieces in one process: partitions, density, masks, config validation, bad inputs, and
+the one-worker cases (n = 1: d = 1 equals AdamS; the §2 invariants still hold for d < 1)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from scape_train.optim import build_optimizer
+from scape_train.optim.comm import Comm
+from scape_train.optim.config import OptimizerConfig
+from scape_train.optim.density import density_at, segment_k
+from scape_train.optim.scape.masks import MaskExchange, topk_own_mask
+from scape_train.optim.scape.partition import ParamLayout, build_partition
+
+from ._optim_common import flat_params, make, tiny_model, train_step
+from ._scape_checks import check_invariants, record_run
+
+
+def layout_of(model, exclude=True):
+    return ParamLayout(model, weight_decay=0.1, exclude_norm_bias=exclude)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "flat"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 7])
+def test_partition_covers_every_element_once(kind, world):
+    lay = layout_of(tiny_model())
+    part = build_partition(lay, world, kind)
+    owner = torch.full((lay.total,), -1)
+    for r, ((lo, hi), segs) in enumerate(zip(part.ranges, part.segments)):
+        assert sum(s.numel for s in segs) == hi - lo
+        for s in segs:
+            assert 0 <= s.start < s.end <= lay.numels[s.tensor]
+            assert s.flat_start == lay.offsets[s.tensor] + s.start
+            assert torch.all(owner[s.flat_start:s.flat_start + s.numel] == -1)
+            owner[s.flat_start:s.flat_start + s.numel] = r
+    assert torch.all(owner >= 0)
+    assert torch.all(owner[1:] >= owner[:-1])        # contiguous, in rank order
+    if kind == "tensor":   # whole tensors only
+        for segs in part.segments:
+            assert all(s.start == 0 and s.end == lay.numels[s.tensor] for s in segs)
+    else:                  # equal chunks, the last one short
+        chunk = -(-lay.total // world)
+        assert all(hi - lo == chunk for lo, hi in part.ranges[:-1] if hi < lay.total)
+
+
+def test_tensor_partition_is_balanced():
+    model = nn.Sequential(*[nn.Linear(10, 10, bias=False) for _ in range(8)])
+    part = build_partition(layout_of(model), 4, "tensor")
+    assert [hi - lo for lo, hi in part.ranges] == [200] * 4
+
+
+def test_density_schedule():
+    assert density_at(0, 0.01, 100) == 1.0
+    assert density_at(50, 0.01, 100) == pytest.approx(0.1)
+    assert density_at(100, 0.01, 100) == pytest.approx(0.01)
+    assert density_at(5000, 0.01, 100) == pytest.approx(0.01)
+    assert density_at(3, 0.1, 100, "constant") == 0.1
+    assert density_at(3, 0.1, 0) == 0.1
+    assert segment_k(1000, 0.01) == 10 and segment_k(50, 0.01) == 1 and segment_k(7, 1.0) == 7
+    with pytest.raises(ValueError):
+        density_at(1, 0.0, 10)
+
+
+def test_topk_mask_exact_k_and_excluded_ones():
+    lay = layout_of(tiny_model())
+    part = build_partition(lay, 1, "flat")
+    stat = torch.randn(lay.total)
+    bits = topk_own_mask(stat, part, 0, lay, 0.1)
+    for i, n in enumerate(lay.numels):
+        piece = bits[lay.offsets[i]:lay.offsets[i + 1]]
+        if lay.excluded[i]:
+            assert piece.all()
+        else:
+            assert int(piece.sum()) == segment_k(n, 0.1)
+            chosen = stat[lay.offsets[i]:lay.offsets[i + 1]].abs()[piece]
+            assert chosen.min() >= stat[lay.offsets[i]:lay.offsets[i + 1]].abs()[~piece].max()
+
+
+def test_mask_exchange_round_trip_one_process():
+    lay = layout_of(tiny_model())
+    part = build_partition(lay, 1, "flat")
+    ex = MaskExchange(part, Comm(), lay.total, "torch")
+    bits = torch.rand(lay.total) < 0.3
+    assert torch.equal(ex.start(bits).wait(), bits)
+
+
+@pytest.mark.parametrize("variant", ["adam", "official", "none"])
+def test_one_worker_density_one_equals_adams(variant):
+    kw = dict(lr=1e-2, clip_grad=0.05, bias_correction=variant, density=1.0)
+    scape, w_s, _ = make(OptimizerConfig(name="scape", **kw))
+    dense, w_d, _ = make(OptimizerConfig(name="adams", **kw))
+    clipped = False
+    for t in range(1, 6):
+        ms = train_step(scape, w_s, t, 0)
+        md = train_step(dense, w_d, t, 0)
+        clipped |= md["grad_norm"] > 0.05
+        torch.testing.assert_close(flat_params(w_s), flat_params(w_d), rtol=1e-6, atol=1e-6)
+        assert ms["grad_norm"] == pytest.approx(md["grad_norm"], rel=1e-5)
+        assert ms["scape/density"] == 1.0 and ms["scape/residual_norm"] == 0.0
+    assert clipped
+
+
+@pytest.mark.parametrize("partitioner", ["tensor", "flat"])
+def test_one_worker_invariants_sparse(partitioner):
+    cfg = OptimizerConfig(name="scape", lr=1e-2, density=0.15, density_schedule="geometric",
+                          density_warmup_steps=2, partitioner=partitioner, clip_grad=0.0)
+    strategy, wrapped, _ = make(cfg)
+    check_invariants([record_run(strategy, wrapped, 0, steps=4)], clip_active=False)
+
+
+def test_offload_equals_device_residual_one_worker():
+    cfg = dict(name="scape", lr=1e-2, density=0.2, density_schedule="constant")
+    a, wa, _ = make(OptimizerConfig(**cfg))
+    b, wb, _ = make(OptimizerConfig(**cfg, offload_residuals=True, offload_chunk_numel=50))
+    for t in range(1, 5):
+        train_step(a, wa, t, 0)
+        train_step(b, wb, t, 0)
+    assert torch.equal(flat_params(wa), flat_params(wb))
+    assert torch.equal(a.engine.residual.full(), b.engine.residual.full())
+
+
+def test_state_dict_loads_with_weights_only_and_is_per_parameter():
+    strategy, wrapped, model = make(OptimizerConfig(name="scape", density=0.3,
+                                                    density_schedule="constant"))
+    for t in range(1, 3):
+        train_step(strategy, wrapped, t, 0)
+    state = strategy.state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    names = [n for n, _ in model.named_parameters()]
+    for key in ("momentum", "residual", "mask_cur", "mask_next"):
+        assert list(loaded[key]) == names
+    for n, p in model.named_parameters():
+        assert loaded["momentum"][n].shape == p.shape
+        assert loaded["mask_next"][n].dtype == torch.uint8
+        assert loaded["mask_next"][n].numel() == (p.numel() + 7) // 8
+    assert loaded["step"] == 2
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value,words", [
+    ("name", "sgd", "valid names"), ("density", 0.0, "density"), ("density", 1.5, "density"),
+    ("partitioner", "rows", "partitioner"), ("bias_correction", "x", "bias_correction"),
+    ("betas", [0.9, 1.0], "betas"), ("density_schedule", "cosine", "density_schedule"),
+    ("weight_decay", -1.0, "weight_decay"), ("clip_grad", -1.0, "clip_grad"),
+    ("use_triton", "maybe", "use_triton"), ("offload_chunk_numel", 0, "offload_chunk_numel"),
+    ("powersgd_start_iter", 1, "powersgd_start_iter"),
+])
+def test_bad_config_is_a_clear_error(field, value, words):
+    cfg = OptimizerConfig(name="scape")
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=words):
+        build_optimizer(cfg, tiny_model())
+
+
+def test_missing_gradient_names_the_parameter():
+    model = tiny_model()
+    strategy = build_optimizer(OptimizerConfig(name="scape"), model)
+    model[0](torch.randn(2, 12)).sum().backward()      # the layers after the first get none
+    with pytest.raises(RuntimeError, match=r"'1\.weight' has no gradient"):
+        strategy.step(1e-3)
+
+
+def test_non_fp32_parameters_are_rejected():
+    with pytest.raises(TypeError, match="fp32"):
+        build_optimizer(OptimizerConfig(name="scape"), tiny_model().to(torch.bfloat16))
+
+
+def test_triton_kernels_path_equals_torch_path():
+    """use_triton=on runs the Triton kernels (interpreted on CPU here) with identical results."""
+    kw = dict(name="scape", lr=1e-2, density=0.2, density_schedule="constant")
+    a, wa, _ = make(OptimizerConfig(**kw, use_triton="off"))
+    b, wb, _ = make(OptimizerConfig(**kw, use_triton="on"))
+    for t in range(1, 4):
+        train_step(a, wa, t, 0)
+        train_step(b, wb, t, 0)
+    assert torch.equal(flat_params(wa), flat_params(wb))
+    assert torch.equal(a.mask_cur, b.mask_cur)
