@@ -27,6 +27,26 @@ def user_errors() -> tuple[type[BaseException], ...]:
             ConnectionError)
 
 
+# What gloo / NCCL / the rendezvous store say when another rank died or stopped answering.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "timeout", "timed out")
+
+
+def peer_lost_message(exc: BaseException) -> str | None:
+    """A one-paragraph message when a collective failed because another rank died or hung."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    text = str(exc).strip()
+    if world <= 1 or not isinstance(exc, RuntimeError) or not (
+            isinstance(exc, dist.DistError) or any(s in text.lower() for s in _PEER_LOST)):
+        return None
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return (f"rank {os.environ.get('RANK', '?')} of {world} lost contact with the other ranks "
+            f"({first}). Another rank most likely crashed, was killed, or did not answer within "
+            "trainer.dist_timeout_s; its own log says why. Nothing was saved after the last "
+            "checkpoint: restart the whole job with resume=auto to continue from it.")
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     from scape_train.train import run
@@ -38,6 +58,12 @@ def _hydra_main(cfg: DictConfig) -> None:
         if os.environ.get("SCAPE_TRACEBACK") == "1":
             raise
         print(f"\nscape_train: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as exc:
+        message = peer_lost_message(exc)
+        if message is None or os.environ.get("SCAPE_TRACEBACK") == "1":
+            raise
+        print(f"\nscape_train: error: {message}", file=sys.stderr)
         sys.exit(1)
 
 

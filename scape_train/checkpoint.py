@@ -96,8 +96,9 @@ class CheckpointManager:
             if self.info.is_main:
                 _atomic_torch_save(model_state, tmp / MODEL_FILE)
             _atomic_torch_save(rank_state, tmp / _rank_file(self.info.rank))
-        except OSError as exc:  # disk full, permissions: previous checkpoints stay intact
-            error = exc
+        except (OSError, RuntimeError) as exc:  # disk full, permissions: previous ones stay intact
+            # torch's zip writer turns ENOSPC into a RuntimeError ("unexpected pos") on close
+            error = exc.__context__ if isinstance(exc.__context__, OSError) else exc
         if not _all_ok(error is None, self.info):
             if self.info.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -109,10 +110,16 @@ class CheckpointManager:
             files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
             manifest = {"step": step, "world_size": self.info.world_size, "files": files, "meta": meta}
             part = tmp / (MANIFEST + ".partial")
-            with open(part, "w") as f:
-                json.dump(manifest, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(part, "w") as f:
+                    json.dump(manifest, f, indent=1, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:  # the disk filled up just now: same promise as above
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(
+                    f"writing the manifest of step {step} into {self.root} failed ({exc}); the "
+                    "previous checkpoints are intact. Free disk space, then resume=auto.") from exc
             os.replace(part, tmp / MANIFEST)
             old = None
             if final.exists():  # re-saving a step (e.g. after a resume): swap atomically

@@ -141,6 +141,28 @@ def validate(cfg: Config, world_size: int = 1) -> None:
            f"logging.wandb.mode must be online|offline|disabled, got {cfg.logging.wandb.mode!r}")
     _check(cfg.resume == "none" or cfg.resume == "auto" or len(cfg.resume) > 0,
            "resume must be none, auto or a checkpoint directory")
+    _check(t.max_nan_skips >= 0, f"trainer.max_nan_skips must be >= 0, got {t.max_nan_skips}")
+    _check(t.num_threads >= 0, f"trainer.num_threads must be >= 0 (0 = torch's default), got {t.num_threads}")
+    _check(t.eval_batches >= 0, f"trainer.eval_batches must be >= 0 (0 = all), got {t.eval_batches}")
+    _check(0 <= t.decay_steps <= t.max_steps,
+           f"trainer.decay_steps={t.decay_steps} must be in [0, max_steps={t.max_steps}] (0 = 20%)")
+    _check(d.val_tokens > 0, f"data.val_tokens must be > 0, got {d.val_tokens}")
+    _check(d.val_split is not None or d.val_docs > 0,
+           f"data.val_docs must be > 0 when data.val_split=null (documents held out), got {d.val_docs}")
+    _check(d.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0 (0 = stream order), got {d.shuffle_buffer}")
+    _check(d.num_workers >= 0 and d.prefetch >= 1,
+           f"data.num_workers must be >= 0 and data.prefetch >= 1, got {d.num_workers}, {d.prefetch}")
+    _check(bool(d.text_field), "data.text_field must name the records' text field, e.g. text")
+    # Each component's own checks, now rather than after minutes of tokenizer training.
+    from scape_train.models.build import resolve_config
+    from scape_train.optim import validate as validate_optimizer
+
+    resolve_config(m, vocab_size=m.vocab_size or 1)
+    validate_optimizer(o)
+    if cfg.strategy.name != "data_parallel":
+        from scape_train.optim.local import validate as validate_strategy
+
+        validate_strategy(cfg.strategy, o, world_size)
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:

@@ -48,8 +48,17 @@ def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistInfo:
     dev = pick_device(device, local_rank)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=_dt.timedelta(seconds=timeout_s),
-                                **({"device_id": dev} if dev.type == "cuda" else {}))
+        timeout = _dt.timedelta(seconds=timeout_s)
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is not None and os.environ.get("GROUP_WORLD_SIZE") == "1":
+            # torchrun keeps its store across restarts of the worker group: without a prefix per
+            # attempt, a restarted rank can read the dead group's addresses and fail to connect.
+            # (Single node only: on several nodes the restart count can differ between nodes.)
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            kwargs.update(store=dist.PrefixStore(f"scape_attempt_{restart}", store), rank=rank,
+                          world_size=world)
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -116,7 +117,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         t = cfg.trainer
-        if t.num_threads:
+        if t.num_threads > 0:  # a negative value is reported by validate() below
             torch.set_num_threads(t.num_threads)
         self.info = D.init_distributed(t.device, t.dist_timeout_s)
         validate(cfg, self.info.world_size)
@@ -129,6 +130,10 @@ class Trainer:
         self.run_dir = D.resolve_run_dir(cfg.run_dir, cfg.run_name, cfg.resume, self.info)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.info, t.keep_last)
         self._refuse_to_overwrite()
+        # Fault injection for tests (docs/reliability.md), off unless set: SCAPE_FAULT_NAN_STEPS="3,4"
+        # makes this process's loss NaN at those steps, as a bad batch would.
+        self.fault_nan_steps = {int(s) for s in os.environ.get("SCAPE_FAULT_NAN_STEPS", "").split(",")
+                                if s.strip()}
         seed_everything(t.seed)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -242,7 +247,11 @@ class Trainer:
                       "rng": get_rng_state(), "train": dataclasses.asdict(self.state)}
         model_state = ({k: v.detach().cpu() for k, v in self.model.state_dict().items()}
                        if self.info.is_main else None)
-        return self.ckpt.save(self.state.step, model_state, rank_state, self._meta())
+        # Named by the step all ranks agree on (local-step strategies: rounds x H), since the
+        # local step can differ between ranks.
+        agreed = self.strategy.progress(self.state.step)
+        return self.ckpt.save(self.state.step if agreed is None else agreed, model_state,
+                              rank_state, self._meta())
 
     # -- one step --------------------------------------------------------------------------
     def train_step(self, timer: StepTimer, stop: _StopSignal) -> dict[str, float]:
@@ -261,6 +270,8 @@ class Trainer:
                 with strategy.sync_context(self.fwd_model, micro == self.accum - 1), self.autocast():
                     logits = self.fwd_model(x)
                     loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / self.accum
+                    if step in self.fault_nan_steps:
+                        loss = loss * float("nan")
                 loss.backward()
             loss_sum += loss.item()
         with timer.phase("optimizer"):

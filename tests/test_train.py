@@ -126,3 +126,24 @@ def test_wandb_offline_logs_config_and_resumes_same_run(tmp_path, tok_cache):
     assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)
     final = json.loads((mgr.latest_valid() / "manifest.json").read_text())["meta"]
     assert final["wandb_run_id"] == run_id
+
+
+def _scape_resume_job(rank, world, root, tok_cache, extra):
+    scape = ["optimizer=scape", "optimizer.density=0.05", "optimizer.density_warmup_steps=3", *extra]
+    run(job(f"{root}/straight", tok_cache, "trainer.max_steps=6", "trainer.checkpoint_every=0", *scape))
+    run(job(f"{root}/sliced", tok_cache, "trainer.max_steps=6", "trainer.stop_after=3", *scape))
+    run(job(f"{root}/sliced", tok_cache, "trainer.max_steps=6", "resume=auto", *scape))
+    return True
+
+
+@pytest.mark.parametrize("extra", [[], ["optimizer.sharded=true", "optimizer.partitioner=flat"]],
+                         ids=["replicated", "sharded"])
+def test_scape_two_ranks_exact_resume(tmp_path, tok_cache, extra):
+    """A 2-rank SCAPE run: 2N steps == N + resume + N, bit for bit (losses and parameters)."""
+    run_distributed(_scape_resume_job, 2, (str(tmp_path), tok_cache, extra))
+    assert losses(tmp_path / "straight") == losses(tmp_path / "sliced")
+    a, b = final_model(tmp_path / "straight"), final_model(tmp_path / "sliced")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(l) for l in (tmp_path / "sliced" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("comm/payload_sent_bytes", 0) > 0 for r in rows)
+    assert any(0 < r.get("scape/density", 1) < 1 for r in rows)

@@ -86,10 +86,12 @@ class Comm:
         s.recv_bytes += recv
         s.calls += 1
 
-    def _run(self, kind: str, work, async_op: bool, finish=None) -> Handle:
+    def _run(self, kind: str, work, async_op: bool, finish=None, started: float | None = None
+             ) -> Handle:
+        """``started``: when the (blocking) collective was issued, so its time counts as wait."""
         handle = Handle(self, kind, work if async_op else None, finish)
         if not async_op:
-            start = time.perf_counter()
+            start = time.perf_counter() if started is None else started
             if finish is not None:
                 finish()
             self.stats[kind].wait_s += time.perf_counter() - start
@@ -119,10 +121,11 @@ class Comm:
             return Handle(self, kind)
         n = ring_all_reduce_bytes(_nbytes(tensor), self.world)
         self._count(kind, n, n)
+        started = time.perf_counter()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         # gloo has no ReduceOp.AVG: sum, then divide once the data has arrived.
         finish = (lambda: tensor.div_(self.world)) if average else None
-        return self._run(kind, work, async_op, finish)
+        return self._run(kind, work, async_op, finish, started)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, kind: str,
                    async_op: bool = False) -> Handle:
@@ -132,8 +135,9 @@ class Comm:
             return Handle(self, kind)
         n = ring_all_gather_bytes(_nbytes(shard), self.world)
         self._count(kind, n, n)
+        started = time.perf_counter()
         work = dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
-        return self._run(kind, work, async_op)
+        return self._run(kind, work, async_op, started=started)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, kind: str,
                        average: bool = True, async_op: bool = False) -> Handle:
@@ -143,10 +147,11 @@ class Comm:
             return Handle(self, kind)
         n = ring_reduce_scatter_bytes(_nbytes(input), self.world)
         self._count(kind, n, n)
+        started = time.perf_counter()
         work = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
                                           async_op=async_op)
         finish = (lambda: output.div_(self.world)) if average else None
-        return self._run(kind, work, async_op, finish)
+        return self._run(kind, work, async_op, finish, started)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, kind: str) -> Handle:
         if self.world == 1:

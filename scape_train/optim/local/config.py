@@ -1,4 +1,4 @@
-"""Local-step strategies' typed config (Hydra group ``strategy``)."""
+"""Local-step strategies' typed config (Hydra group ``strategy``); see docs/gasloc.md."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ class StrategyConfig:
     # diloco | gasloc: local inner steps with the optimizer group's optimizer, then an exchange
     name: str = "data_parallel"
     topology: str = "complete"        # gasloc: complete | 1peer | 2peer
-    inner_steps: int = 30             # H
+    inner_steps: int = 30             # H; a round counts as H steps for the trainer (progress)
     inner_steps_per_worker: List[int] = field(default_factory=list)  # per-rank H_i (overrides H)
     round_budget_s: float = 0.0       # > 0: rounds bounded by wall-clock; slow workers take fewer steps
     outer_lr: float = 0.7             # eta
@@ -20,4 +20,5 @@ class StrategyConfig:
     outer_state_on_cpu: bool = False
     mix_momentum: bool = True         # ablation: False mixes y and adds the momentum term after
     seed: int = 0                     # the mixing graph's RNG seed (with the round number)
-    max_rounds: Optional[int] = None  # None: trainer.max_steps // inner_steps
+    max_rounds: Optional[int] = None  # informational: the run ends at trainer.max_steps, i.e.
+                                      # after max_steps // inner_steps rounds; validated >= 1

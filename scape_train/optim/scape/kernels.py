@@ -213,7 +213,7 @@ def scatter_masked(payload: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
     if resolve_backend(backend, payload, mask, out) == "triton":
         _check_payload(payload, out, None)  # the kernel checks the count (it computes it anyway)
         return _triton().scatter_masked(payload, mask, out)
-    _check_payload(payload, out, int(mask.sum()))
+    _check_payload(payload, out, int(torch.count_nonzero(mask)))
     return _scatter_torch(payload, mask, out)
 
 
@@ -247,7 +247,7 @@ def scatter_masked_packed(payload: torch.Tensor, packed: torch.Tensor, out: torc
         _check_payload(payload, out, None)
         return _triton().scatter_masked_packed(payload, packed, out)
     mask = _unpack_torch(packed, out.numel()).view(out.shape)
-    _check_payload(payload, out, int(mask.sum()))
+    _check_payload(payload, out, int(torch.count_nonzero(mask)))
     return _scatter_torch(payload, mask, out)
 
 

@@ -43,7 +43,7 @@ class ResidualStore:
             w[s:e].add_(chunk)
             if mask is not None:
                 chunk.copy_(w[s:e]).masked_fill_(mask[s:e], 0.0)
-                sq.add_(chunk.double().square().sum())
+                sq.add_(torch.linalg.vector_norm(chunk, dtype=torch.float64).square())
 
         self._each(fn, writeback=mask is not None)
         return float(sq)
@@ -54,7 +54,7 @@ class ResidualStore:
 
         def fn(s: int, e: int, chunk: torch.Tensor) -> None:
             chunk.copy_(w[s:e]).masked_fill_(mask[s:e], 0.0)
-            sq.add_(chunk.double().square().sum())
+            sq.add_(torch.linalg.vector_norm(chunk, dtype=torch.float64).square())
 
         self._each(fn)
         return float(sq)

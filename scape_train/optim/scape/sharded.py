@@ -66,7 +66,8 @@ class ShardedScape:
         segs = [s for rank_segs in self.part.segments for s in rank_segs]
         if not segs:
             return [[] for _ in self.part.segments]
-        flat = torch.stack([mask[s.flat_start:s.flat_start + s.numel].sum() for s in segs]).tolist()
+        flat = torch.stack([torch.count_nonzero(mask[s.flat_start:s.flat_start + s.numel])
+                            for s in segs]).tolist()
         out, i = [], 0
         for rank_segs in self.part.segments:
             out.append(flat[i:i + len(rank_segs)])

@@ -99,7 +99,7 @@ class ScapeStrategy(OptimizerStrategy):
         metrics["scape/density"] = ones / self.layout.total
         metrics["scape/target_density"] = self.density(t)
         if prev is not None:  # temporal stability: ones of M_t that were already in M_{t-1}
-            metrics["scape/mask_overlap"] = float((mask & prev).sum()) / max(ones, 1.0)
+            metrics["scape/mask_overlap"] = float(torch.count_nonzero(mask & prev)) / max(ones, 1.0)
         return metrics
 
     def _first_mask(self, stat: torch.Tensor, density: float) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""Local-step strategies (Hydra group ``strategy``): DiLoCo and GASLoC.
+
+    build_local_strategy(strategy_cfg, optimizer_cfg, model, comm) -> OptimizerStrategy
+
+``diloco``: H inner steps, then the outer gradient is all-reduced and a Nesterov outer step taken.
+``gasloc``: H_i inner steps, a local Nesterov extrapolation, then one gossip exchange with the peers
+of a random graph (complete | 1peer | 2peer). The spec: /work/shared/spec/gasloc.md.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..base import OptimizerStrategy
+from ..comm import Comm
+from ..config import OptimizerConfig
+from .config import StrategyConfig
+from .diloco import DiLoCo
+from .gasloc import GASLoC
+from .strategy import LocalStepStrategy
+from .topology import TOPOLOGIES, mixing_matrix, peers, permutation
+
+STRATEGIES = ("diloco", "gasloc")
+INNER_OPTIMIZERS = ("adamw", "adams")   # local, non-communicating
+
+
+def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: int) -> None:
+    """Raise ValueError naming the field, the bad value and what is allowed."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"strategy config: {msg}")
+
+    need(cfg.name in STRATEGIES,
+         f"unknown local strategy {cfg.name!r}; valid: {list(STRATEGIES)} (data_parallel is "
+         "built by scape_train.optim.build_optimizer, not here)")
+    need(cfg.topology in TOPOLOGIES, f"unknown topology {cfg.topology!r}; valid: {list(TOPOLOGIES)}")
+    need(cfg.name == "gasloc" or cfg.topology == "complete",
+         f"diloco always all-reduces: topology must be complete, got {cfg.topology!r} "
+         "(use strategy=gasloc for 1peer / 2peer)")
+    need(cfg.inner_steps >= 0, f"inner_steps (H) must be >= 0, got {cfg.inner_steps}")
+    per = list(cfg.inner_steps_per_worker)
+    need(not per or len(per) == world_size,
+         f"inner_steps_per_worker has {len(per)} entries but the world size is {world_size}: "
+         "give one H_i per rank, or [] to use inner_steps everywhere")
+    need(all(h >= 0 for h in per), f"inner_steps_per_worker entries must be >= 0, got {per}")
+    need(cfg.round_budget_s >= 0, f"round_budget_s must be >= 0 (0 = fixed H), got {cfg.round_budget_s}")
+    need(not (per and cfg.round_budget_s > 0),
+         "set either inner_steps_per_worker (fixed H_i) or round_budget_s (adaptive H_i), not both")
+    need(cfg.outer_lr > 0, f"outer_lr (eta) must be > 0, got {cfg.outer_lr}")
+    need(0.0 <= cfg.outer_momentum < 1.0,
+         f"outer_momentum (mu / gamma) must be in [0, 1), got {cfg.outer_momentum}")
+    need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
+    need(cfg.max_rounds is None or cfg.max_rounds >= 1,
+         f"max_rounds must be >= 1 or null, got {cfg.max_rounds}")
+    need(optimizer_cfg.name in INNER_OPTIMIZERS,
+         f"the inner optimizer of {cfg.name} must not communicate: optimizer.name must be one of "
+         f"{list(INNER_OPTIMIZERS)}, got {optimizer_cfg.name!r}")
+
+
+def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerConfig,
+                         model: nn.Module, comm: Comm) -> OptimizerStrategy:
+    """DiLoCo or GASLoC over ``model`` (the model is not wrapped: no DDP)."""
+    cfg = strategy_cfg
+    validate(cfg, optimizer_cfg, comm.world)
+
+    def make_outer(params, names):
+        if cfg.name == "diloco":
+            return DiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum, cfg.outer_state_on_cpu)
+        return GASLoC(params, names, comm, cfg.outer_lr, cfg.outer_momentum, cfg.outer_state_on_cpu,
+                      topology=cfg.topology, seed=cfg.seed, mix_momentum=cfg.mix_momentum)
+
+    return LocalStepStrategy(cfg, optimizer_cfg, model, comm, make_outer)
+
+
+__all__ = ["DiLoCo", "GASLoC", "LocalStepStrategy", "STRATEGIES", "StrategyConfig", "TOPOLOGIES",
+           "build_local_strategy", "mixing_matrix", "peers", "permutation", "validate"]

@@ -1,0 +1,77 @@
+"""GASLoC's outer step: local Nesterov extrapolation, then one gossip exchange with the peers.
+
+Spec (/work/shared/spec/gasloc.md), for worker i in round t:
+
+    g   = theta - theta0                     local drift (zero for a worker with H_i = 0)
+    y   = theta0 + eta * g
+    x   = y + gamma * (y - y_prev);  y_prev <- y
+    theta <- sum_j W_t[i, j] x_j             point-to-point with the peers of W_t, never a collective
+
+``mix_momentum=False`` (ablation) mixes ``y`` and adds ``gamma * (y - y_prev)`` afterwards. The
+mixed sum runs over j in ascending rank order on every worker, so on the complete graph all
+replicas receive bit-identical parameters and the result equals DiLoCo's (see ``outer.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from .outer import OuterAlgorithm, extrapolate, outer_point
+from .topology import mixing_matrix, peers
+
+
+class GASLoC(OuterAlgorithm):
+    def __init__(self, params: list[torch.Tensor], names: list[str], comm: Comm, eta: float,
+                 gamma: float, on_cpu: bool, topology: str, seed: int, mix_momentum: bool = True):
+        super().__init__(params, names, comm, eta, gamma, on_cpu)
+        self.topology, self.seed, self.mix_momentum = topology, seed, mix_momentum
+
+    def _local_points(self) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """(what is sent: x, or y for the ablation; the ablation's momentum term; drift norm)."""
+        st, dev = self.state, self.params[0].device
+        send = self.flat_like()
+        momentum = None if self.mix_momentum else self.flat_like()
+        drift_sq = torch.zeros((), dtype=torch.float64, device=dev)   # one host sync, not one per tensor
+        offset = 0
+        for p, anchor, y_prev in zip(self.params, st.anchor, st.y_prev):
+            sl = slice(offset, offset + p.numel())
+            a = st.on(anchor, dev)
+            delta = a - p                          # = -g
+            drift_sq += torch.linalg.vector_norm(delta, dtype=torch.float64) ** 2
+            y = outer_point(a, delta, self.eta)    # theta0 + eta * g
+            yp = st.on(y_prev, dev)
+            if self.mix_momentum:
+                send[sl].view_as(p).copy_(extrapolate(y, yp, self.gamma))
+            else:
+                send[sl].view_as(p).copy_(y)
+                torch.mul(y - yp, self.gamma, out=momentum[sl].view_as(p))
+            y_prev.copy_(y)
+            offset += p.numel()
+        return send, momentum, float(drift_sq) ** 0.5
+
+    def mix(self, send: torch.Tensor, t: int) -> tuple[torch.Tensor, int]:
+        """``sum_j W_t[i, j] send_j`` over this worker's peers; returns (mixed, number of peers)."""
+        n, rank = self.comm.world, self.comm.rank
+        w = mixing_matrix(self.topology, n, t, self.seed)
+        nbrs = peers(w, rank)
+        bufs = {j: torch.empty_like(send) for j in nbrs}
+        self.comm.exchange(sends=[(send, j) for j in nbrs], recvs=[(bufs[j], j) for j in nbrs],
+                           kind="gossip")
+        mixed: torch.Tensor | None = None
+        for j in sorted(nbrs + [rank]):         # one fixed order on every worker
+            src, wij = (send if j == rank else bufs[j]), float(w[rank, j])
+            if mixed is None:
+                mixed = src * wij
+            else:
+                mixed.add_(src, alpha=wij)
+        return mixed, len(nbrs)
+
+    def round(self, t: int) -> dict[str, float]:
+        with torch.no_grad():
+            send, momentum, drift = self._local_points()
+            mixed, n_peers = self.mix(send, t)
+            if momentum is not None:
+                mixed.add_(momentum)
+            self.set_params(mixed)
+        return {"outer/drift_norm": drift, "outer/peers": float(n_peers)}

@@ -1,0 +1,104 @@
+"""What DiLoCo and GASLoC share: the outer state and the outer update's arithmetic.
+
+Both keep, per parameter, the round's starting point ``theta0`` (the anchor) and the previous
+outer point ``y_prev``, and both write the outer step in the "y form" of the spec:
+
+    y = theta0 - eta * delta              delta = theta0 - theta (drift, negated): y = theta0 + eta g
+    x = y + gamma * (y - y_prev)          Nesterov extrapolation; y_prev <- y
+
+DiLoCo averages ``delta`` over workers first (all-reduce), GASLoC mixes ``x`` afterwards (gossip).
+Both go through the two functions below, so that with identical replicas the complete-graph
+GASLoC performs the very same floating-point operations as DiLoCo (bit-for-bit equal results),
+not merely algebraically equal ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..comm import Comm
+
+
+def outer_point(anchor: torch.Tensor, delta: torch.Tensor, eta: float) -> torch.Tensor:
+    """``y = theta0 - eta * delta``."""
+    return torch.add(anchor, delta, alpha=-eta)
+
+
+def extrapolate(y: torch.Tensor, y_prev: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``x = y + gamma * (y - y_prev)``."""
+    return torch.add(y, y - y_prev, alpha=gamma)
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy that later in-place updates cannot change (``.cpu()`` alone may alias)."""
+    return t.detach().to("cpu", copy=True)
+
+
+class OuterState:
+    """``theta0`` and ``y_prev`` for each parameter, on the parameters' device or in host memory.
+
+    In host memory (``on_cpu``) each tensor is copied to the device for the outer step only, so
+    the accelerator holds the model and the inner optimizer state but no outer copies.
+    """
+
+    def __init__(self, params: list[torch.Tensor], names: list[str], on_cpu: bool):
+        self.names = names
+        pin = on_cpu and torch.cuda.is_available() and any(p.is_cuda for p in params)
+
+        def copy(p: torch.Tensor) -> torch.Tensor:
+            if not on_cpu:
+                return p.detach().clone()
+            out = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+            return out.copy_(p.detach())
+
+        self.anchor = [copy(p) for p in params]
+        self.y_prev = [copy(p) for p in params]   # y_{-1} := theta_0
+
+    @staticmethod
+    def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return t if t.device == device else t.to(device, non_blocking=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"anchor": {n: snapshot(t) for n, t in zip(self.names, self.anchor)},
+                "y_prev": {n: snapshot(t) for n, t in zip(self.names, self.y_prev)}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("anchor", "y_prev"):
+            saved = state[key]
+            missing = [n for n in self.names if n not in saved]
+            if missing:
+                raise KeyError(f"outer state {key!r} lacks parameters {missing[:5]}: it was saved "
+                               "from another model")
+            for n, t in zip(self.names, getattr(self, key)):
+                t.copy_(saved[n])
+
+
+class OuterAlgorithm:
+    """One outer round over the live ``params``: ``round(t)`` returns scalar metrics."""
+
+    def __init__(self, params: list[torch.Tensor], names: list[str], comm: Comm, eta: float,
+                 gamma: float, on_cpu: bool):
+        if len({p.dtype for p in params}) != 1:
+            raise ValueError("local strategies need every parameter in one dtype (the exchange "
+                             f"sends one flat buffer); got {sorted({str(p.dtype) for p in params})}")
+        self.params, self.comm, self.eta, self.gamma = params, comm, eta, gamma
+        self.state = OuterState(params, names, on_cpu)
+
+    def round(self, t: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def flat_like(self) -> torch.Tensor:
+        p0 = self.params[0]
+        return torch.empty(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
+
+    def set_params(self, flat: torch.Tensor) -> None:
+        """theta <- flat and theta0 <- theta: the next round starts where this one landed."""
+        offset = 0
+        with torch.no_grad():
+            for p, anchor in zip(self.params, self.state.anchor):
+                view = flat[offset:offset + p.numel()].view_as(p)
+                p.copy_(view)
+                anchor.copy_(view)   # blocking: a host copy is read (snapshots) at once
+                offset += p.numel()

@@ -1,0 +1,155 @@
+"""The trainer's view of DiLoCo / GASLoC: inner steps through ``step(lr)``, an outer round at the end.
+
+Each ``step(lr)`` is one inner step of a local, non-communicating optimizer (AdamW or AdamS, clip
+``clip_grad``; its state is never reset between rounds). A round ends
+
+- after ``H_i`` inner steps (``inner_steps``, or this rank's entry of ``inner_steps_per_worker``;
+  ``H_i = 0``: the worker discards its gradient and only mixes), or
+- with ``round_budget_s > 0``, when another inner step would overrun the wall-clock budget. The
+  budget runs from the start of the previous exchange, so a worker whose exchange was slow (a
+  bandwidth straggler, or a peer of one) or whose steps are slow takes fewer inner steps and
+  arrives at the next exchange with the others. At least one inner step per round.
+
+Then the outer algorithm (``diloco.py`` all-reduce, or ``gasloc.py`` gossip) runs. The trainer makes
+no per-step collective (``synchronous = False``); ``progress`` tells it where rounds end: every
+worker ends round r at its own local step, and there ``progress`` returns the nominal step
+``r * H`` on all of them (``None`` in between), which is where the trainer validates, checkpoints
+and stops.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..base import OptimizerStrategy, set_lr
+from ..comm import Comm
+from ..config import OptimizerConfig
+from ..dense import build_local_optimizer, grad_norm_and_clip, load_named_state_dict, named_state_dict
+from .config import StrategyConfig
+from .outer import OuterAlgorithm, snapshot
+
+
+def _snapshot_tree(obj: Any) -> Any:
+    """The optimizer state with every tensor copied to host memory (later steps mutate it)."""
+    if isinstance(obj, torch.Tensor):
+        return snapshot(obj)
+    if isinstance(obj, dict):
+        return {k: _snapshot_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot_tree(v) for v in obj]
+    return copy.deepcopy(obj)
+
+
+class LocalStepStrategy(OptimizerStrategy):
+    synchronous = False
+
+    def __init__(self, cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, model: nn.Module,
+                 comm: Comm, make_outer):
+        """``make_outer(params, names) -> OuterAlgorithm`` builds DiLoCo or GASLoC over the params."""
+        self.cfg, self.opt_cfg, self.comm = cfg, optimizer_cfg, comm
+        self.optimizer, index_names = build_local_optimizer(optimizer_cfg, model,
+                                                            adams=optimizer_cfg.name == "adams")
+        self._names = index_names
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        names = [index_names[i] for i in range(len(self.params))]
+        self._broadcast_initial(self.params)   # all theta^i_0 equal
+        self.outer: OuterAlgorithm = make_outer(self.params, names)
+        self.param_names = names
+        per_worker = list(cfg.inner_steps_per_worker)
+        self.h_local = per_worker[comm.rank] if per_worker else cfg.inner_steps
+        self.nominal_h = max(cfg.inner_steps, 1)   # the step count a round stands for
+        self.budget_s = float(cfg.round_budget_s)
+        self.rounds_done = 0
+        self.steps_in_round = 0
+        self.local_step = 0          # the trainer's step count on this worker
+        self.sync_step = 0           # local_step at the end of the last round
+        self._step_hint: int | None = None
+        self._clock: float | None = None      # budget: start of the previous exchange
+        self._last_mark: float | None = None  # budget: end of the previous inner step
+        self._last_round: dict[str, float] = {}
+
+    def _broadcast_initial(self, params: list[torch.Tensor]) -> None:
+        if self.comm.world <= 1:
+            return
+        with torch.no_grad():
+            for p in params:
+                self.comm.broadcast(p.data, src=0, kind="params")
+
+    # -- the trainer's hooks ---------------------------------------------------------------
+    def progress(self, step: int) -> int | None:
+        return self.rounds_done * self.nominal_h if step == self.sync_step else None
+
+    def before_forward(self, step: int) -> None:
+        self._step_hint = step
+        if self._clock is None:
+            self._clock = self._last_mark = time.perf_counter()
+
+    def step(self, lr: float) -> dict[str, float]:
+        self.local_step = self._step_hint if self._step_hint is not None else self.local_step + 1
+        self._step_hint = None
+        metrics: dict[str, float] = {}
+        if self.budget_s > 0 or self.h_local > 0:
+            set_lr(self.optimizer, lr)
+            metrics["grad_norm"] = grad_norm_and_clip(self.params, self.opt_cfg.clip_grad,
+                                                      self.opt_cfg.foreach)
+            self.optimizer.step()
+            self.steps_in_round += 1
+        if self._round_over():
+            self._last_round = self._end_round()
+        # The last finished round's figures on every step: the trainer logs every log_every
+        # steps, which need not fall on a round end.
+        metrics.update(self._last_round)
+        return metrics
+
+    def _round_over(self) -> bool:
+        if self.budget_s <= 0:
+            return self.steps_in_round >= self.h_local
+        now = time.perf_counter()
+        if self._clock is None:
+            self._clock = self._last_mark = now
+        step_s = now - self._last_mark
+        self._last_mark = now
+        return now - self._clock + step_s >= self.budget_s
+
+    def _end_round(self) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = self.outer.round(self.rounds_done)
+        metrics["outer/inner_steps"] = float(self.steps_in_round)
+        self.rounds_done += 1
+        metrics["outer/round"] = float(self.rounds_done)
+        self.steps_in_round = 0
+        self.sync_step = self.local_step
+        self._clock, self._last_mark = start, time.perf_counter()
+        return metrics
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "optimizer": _snapshot_tree(named_state_dict(self.optimizer, self._names)),
+            "outer": self.outer.state.state_dict(),
+            "rounds_done": self.rounds_done, "steps_in_round": self.steps_in_round,
+            "local_step": self.local_step, "sync_step": self.sync_step,
+        }
+        # At a round end theta == theta0 (saved as the anchor); mid-round this worker's own theta
+        # is needed too (the checkpoint's model file holds rank 0's replica only).
+        if self.steps_in_round > 0:
+            state["params"] = {n: snapshot(p) for n, p in zip(self.param_names, self.params)}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_named_state_dict(self.optimizer, state["optimizer"], self._names)
+        self.outer.state.load_state_dict(state["outer"])
+        self.rounds_done = int(state["rounds_done"])
+        self.steps_in_round = int(state["steps_in_round"])
+        self.local_step = int(state["local_step"])
+        self.sync_step = int(state["sync_step"])
+        source = state.get("params") or dict(zip(self.param_names, self.outer.state.anchor))
+        with torch.no_grad():
+            for n, p in zip(self.param_names, self.params):
+                p.copy_(source[n])   # this worker's own replica (GASLoC replicas differ)
+        self._clock = self._last_mark = None

@@ -1,0 +1,359 @@
+"""DiLoCo and GASLoC on real gloo processes: the spec's equations and invariants
+(/work/shared/spec/gasloc.md), byte counts, heterogeneity, exact resume and one trainer run."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scape_train.optim.comm import Comm, ring_all_reduce_bytes
+from scape_train.optim.config import OptimizerConfig
+from scape_train.optim.local import StrategyConfig, build_local_strategy, validate
+from scape_train.optim.local.diloco import DiLoCo
+from scape_train.optim.local.gasloc import GASLoC
+from scape_train.optim.local.topology import mixing_matrix, peers
+from tests._dist import run_distributed
+from tests._optim_common import batch, flat_params, loss_fn, tiny_model
+
+SHAPES = [(4, 5), (7,), (3, 3)]
+NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
+
+
+# -- the outer step on random tensors, against the spec's formulas in float64 ------------------
+def _noise(rank: int, t: int) -> list[torch.Tensor]:
+    """Worker ``rank``'s inner-step drift in round ``t`` (every rank can recompute anyone's)."""
+    g = torch.Generator().manual_seed(7919 * t + rank)
+    return [0.1 * torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _initial() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _flat(ts) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _reference(algo: str, n: int, rounds: int, eta: float, gamma: float, topology: str = "complete",
+               seed: int = 0, idle: tuple[int, ...] = ()) -> list[list[torch.Tensor]]:
+    """All workers' flat parameters after each round, from the spec's equations in float64.
+    DiLoCo in its b form (outer momentum buffer), GASLoC in its y form. ``idle`` workers: H_i = 0."""
+    theta = [_flat(_initial()).double() for _ in range(n)]
+    y_prev = [t.clone() for t in theta]
+    b = None
+    out = []
+    for t in range(rounds):
+        end = [theta[i] if i in idle else theta[i] + _flat(_noise(i, t)).double() for i in range(n)]
+        if algo == "diloco":
+            delta = sum(theta[i] - end[i] for i in range(n)) / n
+            b = delta if b is None else gamma * b + delta
+            theta = [theta[0] - eta * (delta + gamma * b) for _ in range(n)]
+        else:
+            y = [theta[i] + eta * (end[i] - theta[i]) for i in range(n)]
+            x = [y[i] + gamma * (y[i] - y_prev[i]) for i in range(n)]
+            y_prev = y
+            w = mixing_matrix(topology, n, t, seed)
+            theta = [sum(w[i, j] * x[j] for j in range(n)) for i in range(n)]
+        out.append([th.clone() for th in theta])
+    return out
+
+
+def _outer_worker(rank, world, algo, rounds, eta, gamma, topology, idle):
+    params = [nn.Parameter(t) for t in _initial()]
+    comm = Comm()
+    names = [f"p{i}" for i in range(len(params))]
+    if algo == "diloco":
+        outer = DiLoCo(params, names, comm, eta, gamma, on_cpu=False)
+    else:
+        outer = GASLoC(params, names, comm, eta, gamma, on_cpu=False, topology=topology, seed=0)
+    history, stats, drifts, sent_means = [], [], [], []
+    for t in range(rounds):
+        with torch.no_grad():
+            if rank not in idle:
+                for p, d in zip(params, _noise(rank, t)):
+                    p.add_(d)
+        comm.pop_stats()
+        if algo == "gasloc":  # the two halves of round(), to see what was sent (x) and the mix
+            with torch.no_grad():
+                send, _, drift = outer._local_points()
+                mixed, _ = outer.mix(send, t)
+                outer.set_params(mixed)
+            gathered = [torch.empty_like(send) for _ in range(world)]
+            dist.all_gather(gathered, send)
+            sent_means.append(torch.stack(gathered).double().mean(0))
+            metrics = {"outer/drift_norm": drift}
+        else:
+            metrics = outer.round(t)
+        stats.append(comm.pop_stats())
+        drifts.append(metrics["outer/drift_norm"])
+        history.append(_flat(params).detach().clone())
+    return history, stats, drifts, sent_means
+
+
+def test_diloco_follows_the_spec_equations_and_counts_outer_bytes():
+    n, rounds, eta, mu = 3, 4, 0.7, 0.9
+    res = run_distributed(_outer_worker, n, ("diloco", rounds, eta, mu, "complete", ()))
+    ref = _reference("diloco", n, rounds, eta, mu)
+    for rank, (history, stats, drifts, _) in enumerate(res):
+        for t in range(rounds):
+            torch.testing.assert_close(history[t].double(), ref[t][rank], rtol=0, atol=1e-5)
+            assert torch.equal(history[t], res[0][0][t])      # replicas stay identical
+            assert stats[t]["comm/outer_sent_bytes"] == ring_all_reduce_bytes(NUMEL * 4, n)
+            assert drifts[t] > 0
+
+
+@pytest.mark.parametrize("topology", ["2peer", "1peer"])
+def test_gasloc_follows_the_spec_preserves_the_mean_and_only_gossips(topology):
+    n, rounds, eta, gamma = 4, 5, 0.7, 0.9
+    res = run_distributed(_outer_worker, n, ("gasloc", rounds, eta, gamma, topology, (2,)))
+    ref = _reference("gasloc", n, rounds, eta, gamma, topology, idle=(2,))
+    for t in range(rounds):
+        w = mixing_matrix(topology, n, t, 0)
+        new_mean = torch.stack([res[r][0][t] for r in range(n)]).double().mean(0)
+        # gossip preserves the mean: mean_i theta_{t+1} = mean_i x_i
+        torch.testing.assert_close(new_mean, res[0][3][t], rtol=0, atol=1e-6)
+        for rank in range(n):
+            history, stats, drifts, _ = res[rank]
+            torch.testing.assert_close(history[t].double(), ref[t][rank], rtol=0, atol=1e-5)
+            # point-to-point only: parameters x 4 bytes x peers sent to, and no collective kind
+            assert {k.split("/")[1].rsplit("_", 2)[0] for k in stats[t]
+                    if k.endswith("_sent_bytes")} == {"gossip"}
+            assert stats[t]["comm/gossip_sent_bytes"] == NUMEL * 4 * len(peers(w, rank))
+            assert stats[t]["comm/gossip_recv_bytes"] == NUMEL * 4 * len(peers(w, rank))
+            assert (drifts[t] == 0.0) == (rank == 2)          # H_i = 0: zero drift, only mixes
+    replicas = torch.stack([res[r][0][-1] for r in range(n)])
+    assert (replicas - replicas.mean(0)).abs().max() > 0      # sparse graph: replicas differ
+
+
+def test_gamma0_eta1_is_the_plain_gossip_average_of_end_points():
+    n, rounds = 4, 3
+    res = run_distributed(_outer_worker, n, ("gasloc", rounds, 1.0, 0.0, "2peer", ()))
+    theta = [_flat(_initial()) for _ in range(n)]
+    for t in range(rounds):
+        ends = [theta[i] + _flat(_noise(i, t)) for i in range(n)]
+        w = mixing_matrix("2peer", n, t, 0)
+        for i in range(n):
+            expected = sum(float(w[i, j]) * ends[j].double() for j in range(n))
+            torch.testing.assert_close(res[i][0][t].double(), expected, rtol=0, atol=1e-6)
+            torch.testing.assert_close(res[i][3][t], torch.stack(ends).double().mean(0), rtol=0,
+                                       atol=1e-6)   # x_i is the end point itself
+        theta = [res[i][0][t] for i in range(n)]
+
+
+# -- the strategy the trainer drives ------------------------------------------------------------
+OPT = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, clip_grad=1.0)
+
+
+def _make(cfg: StrategyConfig, seed: int = 0):
+    model = tiny_model(seed)
+    return build_local_strategy(cfg, OPT, model, Comm()), model
+
+
+def _steps(strategy, model, first: int, last: int, data_rank: int, lr: float = 1e-2,
+           slow_s: float = 0.0) -> list[dict]:
+    out = []
+    for step in range(first, last + 1):
+        strategy.before_forward(step)
+        x, y = batch(step, data_rank)
+        loss_fn(model, x, y).backward()
+        if slow_s:
+            time.sleep(slow_s)
+        strategy.after_backward()
+        metrics = strategy.step(lr)
+        strategy.zero_grad()
+        out.append({"step": step, "progress": strategy.progress(step), **metrics})
+    return out
+
+
+def _gather(t: torch.Tensor, world: int) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return out
+
+
+def _equivalence_worker(rank, world):
+    base = dict(inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
+    result = {}
+    for data in ("same", "own"):
+        data_rank = 0 if data == "same" else rank
+        per_round = {}
+        for name in ("diloco", "gasloc"):
+            strategy, model = _make(StrategyConfig(name=name, topology="complete", **base))
+            snaps = []
+            for r in range(4):
+                _steps(strategy, model, 3 * r + 1, 3 * r + 3, data_rank)
+                snaps.append(flat_params(model))
+            per_round[name] = snaps
+            result[f"{data}_{name}_replicas_equal"] = all(
+                torch.equal(g, snaps[-1]) for g in _gather(snaps[-1], world))
+        result[data] = per_round
+    return result
+
+
+def test_complete_graph_gasloc_is_diloco_bit_for_bit():
+    res = run_distributed(_equivalence_worker, 4)
+    for rank in range(4):
+        same = res[rank]["same"]
+        assert all(torch.equal(a, b) for a, b in zip(same["diloco"], same["gasloc"]))
+        assert not torch.equal(same["gasloc"][0], same["gasloc"][-1])   # it does train
+        own = res[rank]["own"]                                         # each rank its own data
+        for a, b in zip(own["diloco"], own["gasloc"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        for key in ("same_diloco", "same_gasloc", "own_diloco", "own_gasloc"):
+            assert res[rank][f"{key}_replicas_equal"]
+
+
+def _hetero_resume_worker(rank, world, on_cpu):
+    # fixed H_i with an idle worker (H_i = 0), 2peer; progress must agree at round ends
+    cfg = StrategyConfig(name="gasloc", topology="2peer", inner_steps=3,
+                         inner_steps_per_worker=[3, 0, 2, 3], outer_state_on_cpu=on_cpu)
+    strategy, model = _make(cfg)
+    h = [3, 0, 2, 3][rank]
+    steps_per_round = max(h, 1)
+    rounds = 4
+    log = _steps(strategy, model, 1, steps_per_round * rounds, rank)
+    agreed = [m["progress"] for m in log if m["progress"] is not None]
+    idle_drifts = [m["outer/drift_norm"] for m in log if "outer/drift_norm" in m]
+
+    # exact resume: 7 steps, state into fresh objects (other init), 5 more == 12 straight
+    def fresh(seed):
+        return _make(StrategyConfig(name="gasloc", topology="2peer", inner_steps=3,
+                                    outer_state_on_cpu=on_cpu), seed)
+
+    straight, m1 = fresh(0)
+    _steps(straight, m1, 1, 12, rank)
+    first, m2 = fresh(0)
+    _steps(first, m2, 1, 7, rank)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    _steps(first, m2, 8, 9, rank)           # keeps running: the saved state must not change
+    second, m3 = fresh(123)
+    buf.seek(0)
+    second.load_state_dict(torch.load(buf, weights_only=True))
+    _steps(second, m3, 8, 12, rank)
+    return {"agreed": agreed, "idle_drifts": idle_drifts,
+            "resume_equal": torch.equal(flat_params(m1), flat_params(m3)),
+            "progress_after": (straight.progress(12), second.progress(12))}
+
+
+def test_heterogeneous_inner_steps_and_exact_resume():
+    # outer state in host memory: on this CPU-only machine it exercises the same code path
+    res = run_distributed(_hetero_resume_worker, 4, (True,))
+    for rank, r in enumerate(res):
+        assert r["agreed"] == [3, 6, 9, 12]                  # same nominal steps on every rank
+        assert (all(d == 0.0 for d in r["idle_drifts"])) == (rank == 1)
+        assert r["resume_equal"]
+        assert r["progress_after"] == (12, 12)
+
+
+def _budget_worker(rank, world):
+    cfg = StrategyConfig(name="gasloc", topology="2peer", inner_steps=5, round_budget_s=0.25)
+    strategy, model = _make(cfg)
+    log = []
+    step = 0
+    while strategy.rounds_done < 3:
+        step += 1
+        log += _steps(strategy, model, step, step, rank, slow_s=0.005 if rank == 0 else 0.04)
+    return {"inner": [m["outer/inner_steps"] for m in log if "outer/inner_steps" in m],
+            "agreed": [m["progress"] for m in log if m["progress"] is not None]}
+
+
+def test_round_budget_gives_a_slow_worker_fewer_inner_steps():
+    fast, slow = run_distributed(_budget_worker, 2)
+    assert fast["agreed"] == slow["agreed"] == [5, 10, 15]
+    assert sum(slow["inner"]) < sum(fast["inner"]) and min(slow["inner"]) >= 1
+
+
+def test_bad_config_is_refused_with_a_clear_message():
+    ok = StrategyConfig(name="gasloc", topology="2peer")
+    validate(ok, OPT, 4)
+    bad = [
+        (dict(name="localsgd"), "unknown local strategy"),
+        (dict(topology="torus"), "unknown topology"),
+        (dict(name="diloco", topology="2peer"), "topology must be complete"),
+        (dict(inner_steps=-1), "inner_steps"),
+        (dict(inner_steps_per_worker=[3, 3]), "world size is 4"),
+        (dict(inner_steps_per_worker=[3, 3, -1, 3]), ">= 0"),
+        (dict(outer_lr=0.0), "outer_lr"),
+        (dict(outer_momentum=1.0), "outer_momentum"),
+        (dict(round_budget_s=-1.0), "round_budget_s"),
+        (dict(round_budget_s=1.0, inner_steps_per_worker=[1, 1, 1, 1]), "not both"),
+    ]
+    for fields, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            validate(StrategyConfig(**{"name": "gasloc", "topology": "2peer", **fields}), OPT, 4)
+    with pytest.raises(ValueError, match="must not communicate"):
+        validate(ok, OptimizerConfig(name="scape"), 4)
+
+
+# -- the trainer end to end ---------------------------------------------------------------------
+TRAINER_SMALL = [
+    "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.ffn_dim=128", "model.max_seq_len=64", "data.seq_len=64", "data.val_tokens=2048",
+    "data.tokenizer.vocab_size=1024", "trainer.micro_batch_size=4", "trainer.warmup_steps=2",
+    "trainer.log_every=1", "trainer.eval_every=0", "trainer.num_threads=1",
+    "logging.wandb.mode=disabled", "logging.progress_bar=false", "optimizer.lr=3e-3",
+]
+
+
+def _trainer_worker(rank, world, run_dir, tok_cache):
+    from scape_train.train import run
+    from tests.helpers import compose_config
+
+    cfg = compose_config(TRAINER_SMALL + [f"run_dir={run_dir}", f"data.tokenizer.cache_dir={tok_cache}",
+                                  "strategy=gasloc", "strategy.topology=2peer",
+                                  "strategy.inner_steps=2", "trainer.max_steps=6",
+                                  "trainer.checkpoint_every=4"])
+    summary = run(cfg)
+    return summary["step"], summary["val_loss"], summary.get("checkpoint")
+
+
+def test_trainer_runs_gasloc_on_two_ranks(tmp_path):
+    res = run_distributed(_trainer_worker, 2, (str(tmp_path), str(tmp_path / "tok")))
+    assert res[0] == res[1]
+    step, val, ckpt = res[0]
+    assert step == 6 and val == val and ckpt.endswith("step_00000006")
+    rows = (tmp_path / "metrics.jsonl").read_text()
+    assert "outer/round" in rows and "comm/gossip_sent_bytes" in rows
+
+
+def _hetero_trainer_worker(rank, world, run_dir, tok_cache, resume):
+    from scape_train.train import run
+    from tests.helpers import compose_config
+
+    extra = ["trainer.stop_after=4"] if not resume else ["resume=auto"]
+    cfg = compose_config(TRAINER_SMALL + [f"run_dir={run_dir}", f"data.tokenizer.cache_dir={tok_cache}",
+                                          "strategy=gasloc", "strategy.topology=2peer",
+                                          "strategy.inner_steps=2", "strategy.inner_steps_per_worker=[2,1]",
+                                          "trainer.max_steps=8", *extra])
+    summary = run(cfg)
+    return summary.get("checkpoint"), summary.get("val_loss")
+
+
+def test_trainer_with_per_worker_inner_steps_checkpoints_and_resumes(tmp_path):
+    tok = str(tmp_path / "tok")
+    first = run_distributed(_hetero_trainer_worker, 2, (str(tmp_path), tok, False))
+    assert first[0][0] == first[1][0] and first[0][0].endswith("step_00000004")
+    second = run_distributed(_hetero_trainer_worker, 2, (str(tmp_path), tok, True))
+    assert second[0] == second[1] and second[0][0].endswith("step_00000008")
+
+
+EXPERIMENTS = ["tiny_diloco", "tiny_gasloc_2peer", "gasloc_134m_h30", "gasloc_1peer_134m_h30",
+               "diloco_134m_h30", "gasloc_134m_h1", "dadam_134m_h1", "gasloc_551m_h1",
+               "gasloc_551m_h30", "diloco_551m_h30", "gasloc_134m_h30_straggler"]
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_configs_compose_and_validate(name):
+    from tests.helpers import compose_config
+
+    cfg = compose_config([f"+experiment={name}"])
+    validate(cfg.strategy, cfg.optimizer, 16)
+    assert cfg.strategy.name in ("diloco", "gasloc") and cfg.run_name == name
+    assert cfg.model.name in ("llama_tiny", "llama_134m", "llama_551m")
