@@ -147,3 +147,25 @@ def test_scape_two_ranks_exact_resume(tmp_path, tok_cache, extra):
     rows = [json.loads(l) for l in (tmp_path / "sliced" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("comm/payload_sent_bytes", 0) > 0 for r in rows)
     assert any(0 < r.get("scape/density", 1) < 1 for r in rows)
+
+
+def test_activation_checkpointing_and_bf16_autocast_train(tmp_path, tok_cache):
+    """Recomputing blocks in backward changes no number; bf16 autocast trains close to fp32."""
+    plain = run(job(tmp_path / "plain", tok_cache, "trainer.max_steps=3"))
+    ac = run(job(tmp_path / "ac", tok_cache, "trainer.max_steps=3",
+                 "trainer.activation_checkpointing=true"))
+    assert losses(tmp_path / "plain") == losses(tmp_path / "ac")
+    assert plain["val_loss"] == ac["val_loss"]
+    bf16 = run(job(tmp_path / "bf16", tok_cache, "trainer.max_steps=3", "trainer.precision=bf16"))
+    assert abs(bf16["val_loss"] - plain["val_loss"]) < 0.05
+    keys = final_model(tmp_path / "ac").keys()
+    assert keys == final_model(tmp_path / "plain").keys()  # parameter names unchanged by AC
+
+
+@pytest.mark.slow
+def test_torch_compile_matches_eager(tmp_path, tok_cache):
+    run(job(tmp_path / "eager", tok_cache, "trainer.max_steps=2"))
+    run(job(tmp_path / "compiled", tok_cache, "trainer.max_steps=2", "trainer.compile=true"))
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert eager.keys() == compiled.keys()
+    assert all(abs(eager[k] - compiled[k]) < 1e-4 for k in eager)
