@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,17 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _load_tensors(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain containers only, never code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain containers; refused to load it "
+            f"(weights_only=True), since unpickling them could run code. Only resume from "
+            f"checkpoints this trainer wrote. ({str(exc).splitlines()[0]})") from exc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -180,9 +192,9 @@ class CheckpointManager:
         """
         path = Path(path)
         manifest = self.verify(path)
-        model_state = torch.load(path / MODEL_FILE, map_location="cpu", weights_only=True)
+        model_state = _load_tensors(path / MODEL_FILE)
         saved_world = manifest["world_size"]
         src = self.info.rank if self.info.rank < saved_world else 0
-        rank_state = torch.load(path / _rank_file(src), map_location="cpu", weights_only=True)
+        rank_state = _load_tensors(path / _rank_file(src))
         rank_state["resharded"] = saved_world != self.info.world_size
         return manifest, model_state, rank_state

@@ -21,6 +21,7 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False          # this process created the group here, so it destroys it
 
     @property
     def is_main(self) -> bool:
@@ -46,7 +47,9 @@ def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)
+    owns = False
     if world > 1 and not dist.is_initialized():
+        owns = True
         backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout = _dt.timedelta(seconds=timeout_s)
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
@@ -61,11 +64,14 @@ def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistInfo:
         dist.init_process_group(backend, timeout=timeout, **kwargs)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, owns_group=owns)
 
 
-def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
+def shutdown(info: DistInfo) -> None:
+    """Destroy the process group if ``init_distributed`` created it. A group the caller made (a
+    test harness, an embedding program) is left to the caller: destroying it and making a new
+    one on the same store races with ranks still using the old one."""
+    if info.owns_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 

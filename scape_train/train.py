@@ -400,7 +400,7 @@ def run(cfg: Config) -> dict[str, Any]:
     try:
         summary = trainer.fit()
     finally:
-        D.shutdown()
+        D.shutdown(trainer.info)
     if trainer.info.is_main:
         print(f"\nrun directory: {summary['run_dir']}")
         for key in ("checkpoint", "loss_curve"):

@@ -93,17 +93,20 @@ def tmp_dir_appears(run_dir, min_step: int = 1) -> Trigger:
     return check
 
 
-def metrics_lines(run_dir, n: int) -> Trigger:
-    """True once ``metrics.jsonl`` holds more than ``n`` lines (training is under way)."""
-    path = Path(run_dir) / "metrics.jsonl"
+def _lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
-    def check() -> bool:
-        try:
-            with open(path, "rb") as f:
-                return f.read().count(b"\n") > n
-        except FileNotFoundError:
-            return False
-    return check
+
+def metrics_lines(run_dir, n: int) -> Trigger:
+    """True once ``metrics.jsonl`` got more than ``n`` lines beyond those it holds now (an
+    earlier attempt's lines do not count): this attempt is training."""
+    path = Path(run_dir) / "metrics.jsonl"
+    before = _lines(path)
+    return lambda: _lines(path) - before > n
 
 
 def after_delay(first: Trigger, delay_s: float) -> Trigger:
@@ -119,7 +122,8 @@ def after_delay(first: Trigger, delay_s: float) -> Trigger:
     return check
 
 
-def random_point(run_dir, rng: random.Random, max_delay_s: float = 0.4) -> Trigger:
+def random_point(run_dir, rng: random.Random, max_delay_s: float = 0.05) -> Trigger:
+    """After 1-4 logged steps of this attempt, plus up to ``max_delay_s``."""
     return after_delay(metrics_lines(run_dir, rng.randint(0, 3)), rng.uniform(0.0, max_delay_s))
 
 

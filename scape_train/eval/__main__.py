@@ -89,7 +89,7 @@ def run(app: EvalAppConfig) -> dict[str, float]:
                                    step=int(manifest.get("step", 0)), setup=setup)
     finally:
         setup.close()
-        D.shutdown()
+        D.shutdown(info)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
