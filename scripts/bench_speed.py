@@ -62,8 +62,6 @@ FIELDS = {"step": "step_time_s", "data": "time/data_s", "fwd_bwd": "time/fwd_bwd
 
 def one_bucket_train(overrides: list[str]) -> None:
     """One rank: ``python -m scape_train`` with PowerSGD's DDP built with a single bucket."""
-    import sys as _sys
-
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import scape_train.optim as optim
@@ -80,10 +78,19 @@ def one_bucket_train(overrides: list[str]) -> None:
             return self.ddp
 
     optim.OPTIMIZERS["powersgd"] = OneBucketPowerSGD
-    _sys.argv = ["scape_train", *overrides]
-    from scape_train.__main__ import main as trainer_main
+    import logging
 
-    trainer_main()
+    from hydra import compose, initialize_config_dir
+
+    from scape_train.config import register_configs, to_object
+    from scape_train.train import run
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = to_object(compose(config_name="config", overrides=overrides))
+    run(cfg)
 
 
 def samples(res: RunResult, skip: int) -> dict[str, list[float]]:
@@ -135,6 +142,11 @@ def pooled(db: dict, key: str) -> dict[str, dict[str, float]]:
 
 def summarise(db: dict) -> dict:
     summ = {"compute": pooled(db, "compute")}
+    # The compute-only runs measured beside each rate's block (their run directory names it).
+    for rate in RATES:
+        block = [r for r in db.get("compute", []) if f"/compute_{rate}_r" in r["command"]]
+        if block:
+            summ[f"compute/{rate}"] = pooled({"x": block}, "x")
     for rate in RATES:
         for opt in OPTS:
             if f"{rate}/{opt}" in db:
@@ -149,24 +161,33 @@ def fmt(s: dict[str, float], unit: float = 1.0, prec: int = 2) -> str:
             f"{s['max'] / unit:.{prec}f})")
 
 
+def block_compute(summ: dict, rate: str) -> float:
+    """The compute-only step measured beside this rate's runs (else all compute-only runs)."""
+    return summ.get(f"compute/{rate}", summ["compute"])["step"]["median"]
+
+
 def table(summ: dict) -> str:
-    comp = summ["compute"]["step"]["median"]
     lines = [
         "| link | optimizer | step s | data+fwd/bwd s | optimizer s | of which comm wait s "
         "| sent MB/step/rank | vs compute-only | speed-up vs AdamS | runs, load |",
         "|---|---|---|---|---|---|---|---|---|---|"]
     c = summ["compute"]
     if c["step"]["n"]:
-        lines.append(f"| - | {LABELS['compute']} | {fmt(c['step'])} | {fmt(c['fwd_bwd'])} | "
-                     f"{fmt(c['optimizer'])} | 0 | 0 | 1.00 | - | {c['runs']['n']} procs, "
+        lines.append(f"| all | {LABELS['compute']} | {fmt(c['step'])} | {fmt(c['fwd_bwd'])} | "
+                     f"{fmt(c['optimizer'])} | 0 | 0 | - | - | {c['runs']['n']} procs, "
                      f"{_loads(c)} |")
     for rate in RATES:
+        c = summ.get(f"compute/{rate}")
+        if c:
+            lines.append(f"| {rate} block | {LABELS['compute']} | {fmt(c['step'])} | "
+                         f"{fmt(c['fwd_bwd'])} | {fmt(c['optimizer'])} | 0 | 0 | 1.00x | - | "
+                         f"{c['runs']['n']} procs, {_loads(c)} |")
         base = summ.get(f"{rate}/adams", {}).get("step", {}).get("median")
         for opt in OPTS:
             s = summ.get(f"{rate}/{opt}")
             if not s or not s["step"]["n"]:
                 continue
-            step = s["step"]["median"]
+            step, comp = s["step"]["median"], block_compute(summ, rate)
             fb = {k: s["fwd_bwd"][k] + s["data"]["median"] for k in ("median", "min", "max")}
             fb["n"] = 1
             speed = f"{base / step:.2f}x" if base else "-"
@@ -187,8 +208,8 @@ def figure(summ: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(RATES), figsize=(13, 4.2), sharey=False)
-    comp = summ["compute"]["step"]["median"]
     for ax, rate in zip(axes, RATES):
+        comp = block_compute(summ, rate)
         names, parts = [], []
         for opt in OPTS:
             s = summ.get(f"{rate}/{opt}")
@@ -213,9 +234,10 @@ def figure(summ: dict, path: Path) -> None:
         ax.set_xticks(list(x), names, rotation=20)
         ax.set_title(f"4 ranks, link {'unlimited' if rate == 'none' else rate}")
         ax.set_ylabel("seconds per step (median)")
-    axes[0].legend(fontsize=7, loc="upper left")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     fig.suptitle("llama_20m (18.9M), 1 x 128 tokens per rank, 2 shared CPU cores")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
 
 

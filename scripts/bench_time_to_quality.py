@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace) -> dict:
     return db
 
 
-def summarise(db: dict) -> dict:
+def summarise(db: dict, extra_targets: tuple[float, ...] = ()) -> dict:
     runs = {k: r for k, r in db["runs"].items() if r["rc"] == 0 and r["curve"]}
     target = max(r["curve"][-1][2] for r in runs.values())
     out = {"target_val_loss": target, "runs": {}}
@@ -85,6 +85,14 @@ def summarise(db: dict) -> dict:
     for k, s in out["runs"].items():
         s["speedup_vs_adams"] = (base / s["time_to_target_s"]
                                  if base and s["time_to_target_s"] else None)
+    # Looser targets too: how the comparison moves along the curve.
+    out["by_target"] = {}
+    for tgt in sorted({*extra_targets, target}, reverse=True):
+        row = {}
+        for k, r in runs.items():
+            hit = next((t for _, t, v in r["curve"] if v <= tgt), None)
+            row[k] = hit
+        out["by_target"][f"{tgt:.4f}"] = row
     return out
 
 
@@ -100,6 +108,13 @@ def table(db: dict, summ: dict) -> str:
         lines.append(f"| {RUNS[k][1]} | {s['final_val_loss']:.4f} | {s['train_s']:.0f} | "
                      f"{s['steps_to_target']} | {tt} | {sp} | "
                      f"{r['load_before']:.1f}->{r['load_after']:.1f} |")
+    keys = list(summ["runs"])
+    lines += ["", "Training seconds to reach each validation loss (- = not reached):", "",
+              "| val loss target | " + " | ".join(RUNS[k][1] for k in keys) + " |",
+              "|---|" + "---|" * len(keys)]
+    for tgt, row in summ["by_target"].items():
+        cells = [f"{row[k]:.0f}" if row[k] is not None else "-" for k in keys]
+        lines.append(f"| {tgt} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -131,6 +146,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--extra-targets", default="5.5,5.25",
+                   help="more validation-loss targets for the secondary table")
     p.add_argument("--out", default=str(REPO / "outputs" / "bench_ttq"))
     p.add_argument("--docs", default=str(REPO / "docs" / "figures"))
     args = p.parse_args()
@@ -143,7 +160,7 @@ def main() -> None:
         print(f"load before: {loadavg():.2f}", flush=True)
         db = measure(args)
         path.write_text(json.dumps(db, indent=1))
-    summ = summarise(db)
+    summ = summarise(db, tuple(float(t) for t in args.extra_targets.split(",") if t))
     (docs / "bench_ttq_table.md").write_text(table(db, summ))
     figure(db, summ, docs / "bench_ttq.png")
     print(table(db, summ))

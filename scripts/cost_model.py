@@ -111,26 +111,38 @@ def table(rows: list[dict]) -> str:
 
 
 def calibration(docs: Path) -> str | None:
-    """The same formulas on the CPU cluster's 100 Mbit/s runs, against what was measured."""
+    """The same formulas on the CPU cluster's 100 Mbit/s runs, against what was measured.
+
+    Inputs are measurements of this machine (the compute-only step, SCAPE's step over the unshaped
+    link) and the exact bytes of bench_speed's model (llama_20m, vocab 8192, 4 ranks, tensor
+    owners). Dense: compute + all bytes at the link rate (4 ranks on 2 cores leave no idle core to
+    overlap with). SCAPE: its unshaped step + the payload at the link rate + whatever of the mask
+    all-gather outlasts the next forward/backward.
+    """
     path = docs / "bench_speed_summary.json"
     if not path.exists():
         return None
     summ = json.loads(path.read_text())
-    comp = summ["compute"]["step"]["median"]
-    lines = ["| 100 Mbit/s, 4 ranks | counted MB/step | predicted s (compute-only + bytes/rate) "
-             "| measured s (median) |", "|---|---|---|---|"]
-    for opt in ("adams", "scape90", "scape99"):
+    rate = 100e6
+    comp = summ.get("compute/100mbit", summ["compute"])["step"]["median"]
+    layout = meta_layout("llama_20m", 8192)
+    lines = ["| 100 Mbit/s, 4 ranks | exact MB/step (payload + mask) | predicted s | measured s "
+             "(median) |", "|---|---|---|---|"]
+    for opt, density in (("adams", None), ("scape90", 0.1), ("scape99", 0.01)):
         s = summ.get(f"100mbit/{opt}")
         if not s or not s["step"]["n"]:
             continue
-        nbytes = s["sent_bytes"]["median"]
-        # CPU cluster: no backward overlap is credited (4 ranks share 2 cores, so communication
-        # and compute do not run in parallel in practice) -- an upper-bound style prediction.
-        pred = comp + nbytes * 8 / 100e6
-        if opt != "adams":  # SCAPE's extra local optimizer work, measured on the cluster itself
-            unl = summ.get(f"none/{opt}", {}).get("step", {}).get("median")
-            pred = (unl if unl else comp) + nbytes * 8 / 100e6
-        lines.append(f"| {opt} | {nbytes / 1e6:.2f} | {pred:.2f} | {s['step']['median']:.2f} |")
+        if density is None:
+            nbytes = dense_allreduce_bytes(layout, 4)
+            pred = comp + nbytes * 8 / rate
+            what = f"{nbytes / 1e6:.2f}"
+        else:
+            b = scape_step_bytes(layout, 4, density)
+            unl = summ.get(f"none/{opt}", {}).get("step", {}).get("median") or comp
+            fwd_bwd = summ.get(f"none/{opt}", {}).get("fwd_bwd", {}).get("median") or 0.0
+            pred = unl + b.payload * 8 / rate + max(0.0, b.mask * 8 / rate - fwd_bwd)
+            what = f"{b.payload / 1e6:.2f} + {b.mask / 1e6:.2f}"
+        lines.append(f"| {opt} | {what} | {pred:.2f} | {s['step']['median']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
