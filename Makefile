@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 PIP := $(VENV)/bin/python -m pip
 
-.PHONY: setup test test-fast train bench clean
+.PHONY: setup test test-fast train bench bench-cpu bench-net clean
 
 # Creates .venv and installs the package with exact pins (constraints.txt). torch is pinned to
 # 2.13.0: an open range would pull a multi-GB CUDA build onto CPU machines. The same files install
@@ -25,8 +25,21 @@ test-fast:
 train:
 	$(VENV)/bin/python -m scape_train
 
-bench:
+# Figures into docs/ (see docs/benchmarks.md). bench-cpu needs nothing special; bench-net needs
+# root with ip/tc (network namespaces) and takes about an hour on 2 cores.
+bench: bench-cpu bench-net
+
+bench-cpu:
 	$(VENV)/bin/python scripts/bench_data.py
+	$(VENV)/bin/python scripts/bench_volume.py
+	$(VENV)/bin/python scripts/bench_optim.py
+	$(VENV)/bin/python scripts/bench_quality.py --steps 200 --seq-len 128 --density-warmup 40
+	$(VENV)/bin/python scripts/cost_model.py
+
+bench-net:
+	$(VENV)/bin/python scripts/bench_speed.py --fresh --repeats 3
+	$(VENV)/bin/python scripts/bench_time_to_quality.py
+	$(VENV)/bin/python scripts/bench_gasloc.py
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -104,6 +104,9 @@ class DenseStrategy(OptimizerStrategy):
     def _register_hook(self, ddp: DDP) -> None:
         ddp.register_comm_hook(self.comm, counted_allreduce_hook)
 
+    def _ddp_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        return {}
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if self.comm.world <= 1:
             return model
@@ -111,7 +114,7 @@ class DenseStrategy(OptimizerStrategy):
         if self.comm.backend == "nccl" and dev.type != "cuda":
             raise ValueError("the nccl backend needs the model on a CUDA device before wrapping")
         self.ddp = DDP(model, device_ids=[dev] if dev.type == "cuda" else None,
-                       process_group=self.comm.group)
+                       process_group=self.comm.group, **self._ddp_kwargs(model))
         self._register_hook(self.ddp)
         return self.ddp
 

@@ -68,6 +68,15 @@ class PowerSGDStrategy(DenseStrategy):
         self.ps_state: psgd.PowerSGDState | None = None
         self._saved_ps: dict[str, Any] | None = None   # loaded before wrap_model: applied there
 
+    def _ddp_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        # torch's hook issues the P and Q all-reduces from future callbacks; with several buckets
+        # on gloo those callbacks race across ranks and the collectives mismatch (seen at step 5
+        # on 4 ranks). One bucket keeps one ordered chain of collectives per step on gloo.
+        if self.comm.backend == "gloo":
+            total_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+            return {"bucket_cap_mb": total_mb + 1.0}
+        return {}
+
     def _register_hook(self, ddp: DDP) -> None:
         self.ps_state = psgd.PowerSGDState(
             process_group=self.comm.group, matrix_approximation_rank=self.cfg.powersgd_rank,
