@@ -19,6 +19,7 @@ by ``state_dict()`` and restored by ``load_state_dict()``; the checkpoint manage
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 
-class OptimizerStrategy:
+class OptimizerStrategy(abc.ABC):
     """Base class: a single-process, no-communication strategy around a torch optimizer."""
 
     #: the torch optimizer(s) doing the local update; subclasses set it.
@@ -55,8 +56,9 @@ class OptimizerStrategy:
     def after_backward(self) -> None:
         """Called after the last micro-batch's backward, before ``step``."""
 
+    @abc.abstractmethod
     def step(self, lr: float) -> dict[str, float]:
-        raise NotImplementedError("subclasses implement step(lr)")
+        """Clip, communicate as the strategy does, update; returns scalar metrics (grad_norm...)."""
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:

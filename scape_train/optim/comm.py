@@ -54,6 +54,12 @@ class Handle:
         self._comm, self._kind, self._work, self._finish = comm, kind, work, finish
         self.done = work is None and finish is None
 
+    @property
+    def work(self):
+        """The backend's work object of an async collective (None when nothing is in flight);
+        ``work.get_future()`` gives the torch future DDP comm hooks return."""
+        return self._work
+
     def wait(self) -> None:
         if self.done:
             return
@@ -80,7 +86,8 @@ class Comm:
         self.backend = dist.get_backend(self.group) if self.enabled else "none"
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _count(self, kind: str, sent: int, recv: int) -> None:
+    def count(self, kind: str, sent: int, recv: int) -> None:
+        """Record bytes a collective issued outside this class sent (e.g. a library hook)."""
         s = self.stats[kind]
         s.sent_bytes += sent
         s.recv_bytes += recv
@@ -120,7 +127,7 @@ class Comm:
         if self.world == 1:
             return Handle(self, kind)
         n = ring_all_reduce_bytes(_nbytes(tensor), self.world)
-        self._count(kind, n, n)
+        self.count(kind, n, n)
         started = time.perf_counter()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         # gloo has no ReduceOp.AVG: sum, then divide once the data has arrived.
@@ -134,7 +141,7 @@ class Comm:
             output.copy_(shard.reshape(output.shape))
             return Handle(self, kind)
         n = ring_all_gather_bytes(_nbytes(shard), self.world)
-        self._count(kind, n, n)
+        self.count(kind, n, n)
         started = time.perf_counter()
         work = dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
         return self._run(kind, work, async_op, started=started)
@@ -146,7 +153,7 @@ class Comm:
             output.copy_(input.reshape(output.shape))
             return Handle(self, kind)
         n = ring_reduce_scatter_bytes(_nbytes(input), self.world)
-        self._count(kind, n, n)
+        self.count(kind, n, n)
         started = time.perf_counter()
         work = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
                                           async_op=async_op)
@@ -157,7 +164,7 @@ class Comm:
         if self.world == 1:
             return Handle(self, kind)
         n = _nbytes(tensor)
-        self._count(kind, n if self.rank == src else 0, 0 if self.rank == src else n)
+        self.count(kind, n if self.rank == src else 0, 0 if self.rank == src else n)
         dist.broadcast(tensor, src=src, group=self.group)
         return Handle(self, kind)
 
@@ -168,7 +175,7 @@ class Comm:
         ops += [dist.P2POp(dist.irecv, t, self._global(p), self.group) for t, p in recvs]
         if not ops:
             return Handle(self, kind)
-        self._count(kind, sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs))
+        self.count(kind, sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs))
         works = dist.batch_isend_irecv(ops)
 
         class _All:

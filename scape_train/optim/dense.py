@@ -26,7 +26,7 @@ def _future_of(handle: Handle, tensor: torch.Tensor) -> torch.futures.Future:
     handle's own ``wait()`` must not run inside a future callback (gloo deadlocks), so callers
     finish the op (the averaging) in a ``then`` instead.
     """
-    work = getattr(handle, "_work", None)
+    work = handle.work
     if work is None:                     # nothing in flight (world of one)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(tensor)

@@ -42,7 +42,7 @@ def powersgd_sizes(shapes: list[torch.Size], rank: int, min_compression_rate: fl
 def _count(comm: Comm, nbytes: int) -> None:
     # The hook's collectives bypass Comm; record them in its per-kind stats.
     n = ring_all_reduce_bytes(nbytes, comm.world)
-    comm._count("grad", n, n)
+    comm.count("grad", n, n)
 
 
 def counted_powersgd_hook(state, bucket):

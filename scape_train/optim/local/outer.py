@@ -14,6 +14,8 @@ not merely algebraically equal ones.
 
 from __future__ import annotations
 
+import abc
+
 from typing import Any
 
 import torch
@@ -75,7 +77,7 @@ class OuterState:
                 t.copy_(saved[n])
 
 
-class OuterAlgorithm:
+class OuterAlgorithm(abc.ABC):
     """One outer round over the live ``params``: ``round(t)`` returns scalar metrics."""
 
     def __init__(self, params: list[torch.Tensor], names: list[str], comm: Comm, eta: float,
@@ -86,8 +88,9 @@ class OuterAlgorithm:
         self.params, self.comm, self.eta, self.gamma = params, comm, eta, gamma
         self.state = OuterState(params, names, on_cpu)
 
+    @abc.abstractmethod
     def round(self, t: int) -> dict[str, float]:
-        raise NotImplementedError
+        """Exchange and outer update for round ``t`` (DiLoCo: all-reduce; GASLoC: gossip)."""
 
     def flat_like(self) -> torch.Tensor:
         p0 = self.params[0]
