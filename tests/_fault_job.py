@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from scape_train.checkpoint import CheckpointManager
-from tests.test_train import SMALL
+from tests.helpers import SMALL
 
 REPO = Path(__file__).resolve().parents[1]
 

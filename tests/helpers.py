@@ -11,6 +11,15 @@ from scape_train.config import Config, register_configs, to_object
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
+# A small, fast job: 2 blocks of width 64 on the shipped public-domain sample.
+SMALL = [
+    "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.ffn_dim=128", "model.max_seq_len=64", "data.seq_len=64", "data.val_tokens=2048",
+    "data.tokenizer.vocab_size=1024", "trainer.micro_batch_size=4", "trainer.warmup_steps=2",
+    "trainer.log_every=1", "trainer.eval_every=0", "trainer.num_threads=1",
+    "logging.wandb.mode=disabled", "logging.progress_bar=false", "optimizer.lr=3e-3",
+]
+
 
 def compose_config(overrides: list[str] | None = None) -> Config:
     """The typed config exactly as ``python -m scape_train <overrides>`` would build it."""

@@ -293,20 +293,13 @@ def test_bad_config_is_refused_with_a_clear_message():
 
 
 # -- the trainer end to end ---------------------------------------------------------------------
-TRAINER_SMALL = [
-    "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
-    "model.ffn_dim=128", "model.max_seq_len=64", "data.seq_len=64", "data.val_tokens=2048",
-    "data.tokenizer.vocab_size=1024", "trainer.micro_batch_size=4", "trainer.warmup_steps=2",
-    "trainer.log_every=1", "trainer.eval_every=0", "trainer.num_threads=1",
-    "logging.wandb.mode=disabled", "logging.progress_bar=false", "optimizer.lr=3e-3",
-]
 
 
 def _trainer_worker(rank, world, run_dir, tok_cache):
     from scape_train.train import run
-    from tests.helpers import compose_config
+    from tests.helpers import SMALL, compose_config
 
-    cfg = compose_config(TRAINER_SMALL + [f"run_dir={run_dir}", f"data.tokenizer.cache_dir={tok_cache}",
+    cfg = compose_config(SMALL + [f"run_dir={run_dir}", f"data.tokenizer.cache_dir={tok_cache}",
                                   "strategy=gasloc", "strategy.topology=2peer",
                                   "strategy.inner_steps=2", "trainer.max_steps=6",
                                   "trainer.checkpoint_every=4"])
@@ -325,10 +318,10 @@ def test_trainer_runs_gasloc_on_two_ranks(tmp_path):
 
 def _hetero_trainer_worker(rank, world, run_dir, tok_cache, resume):
     from scape_train.train import run
-    from tests.helpers import compose_config
+    from tests.helpers import SMALL, compose_config
 
     extra = ["trainer.stop_after=4"] if not resume else ["resume=auto"]
-    cfg = compose_config(TRAINER_SMALL + [f"run_dir={run_dir}", f"data.tokenizer.cache_dir={tok_cache}",
+    cfg = compose_config(SMALL + [f"run_dir={run_dir}", f"data.tokenizer.cache_dir={tok_cache}",
                                           "strategy=gasloc", "strategy.topology=2peer",
                                           "strategy.inner_steps=2", "strategy.inner_steps_per_worker=[2,1]",
                                           "trainer.max_steps=8", *extra])
@@ -351,7 +344,7 @@ EXPERIMENTS = ["tiny_diloco", "tiny_gasloc_2peer", "gasloc_134m_h30", "gasloc_1p
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_configs_compose_and_validate(name):
-    from tests.helpers import compose_config
+    from tests.helpers import SMALL, compose_config
 
     cfg = compose_config([f"+experiment={name}"])
     validate(cfg.strategy, cfg.optimizer, 16)
