@@ -92,7 +92,7 @@ def write_report(curves, args, commands, seconds, out: Path) -> None:
         final = curve[-1][1]
         lines.append(f"| {LABELS[name]} | {final:.4f} | {final - base:+.4f} | {seconds[name]:.0f} |")
     lines += ["", "Targets (the paper's GPT-345M result): SCAPE-90 within 0.02 and SCAPE-99 within "
-              "0.04 of dense AdamS.", "", "![validation loss](figures/quality.png)", "",
+              "0.04 of dense AdamS.", "", f"![validation loss](figures/{out.stem}.png)", "",
               "Validation loss by step:", "", "| step | " + " | ".join(LABELS[n] for n in curves) + " |",
               "|---" * (len(curves) + 1) + "|"]
     steps = [s for s, _ in next(iter(curves.values()))]
@@ -137,7 +137,7 @@ def main() -> None:
         curves[name] = val_curve(run_dir)
         print(f"   final val loss {curves[name][-1][1]:.4f} in {seconds[name]:.0f} s", flush=True)
     report = Path(args.report)
-    plot(curves, report.parent / "figures" / "quality.png")
+    plot(curves, report.parent / "figures" / f"{report.stem}.png")
     write_report(curves, args, commands, seconds, report)
     print(f"wrote {report}")
 
