@@ -261,7 +261,7 @@ class Trainer:
                    min_lr=cfg.optimizer.min_lr, warmup=cfg.trainer.warmup_steps,
                    total=cfg.trainer.max_steps, decay_steps=cfg.trainer.decay_steps)
         strategy.before_forward(step)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=info.device)  # one host sync per step, not per micro
         for micro in range(self.accum):
             with timer.phase("data"):
                 x, y = next(self.train_loader)
@@ -273,12 +273,13 @@ class Trainer:
                     if step in self.fault_nan_steps:
                         loss = loss * float("nan")
                 loss.backward()
-            loss_sum += loss.item()
+            loss_sum += loss.detach().float()
         with timer.phase("optimizer"):
             strategy.after_backward()
             # One tiny collective agrees on the loss, a non-finite loss and a stop request.
             # Local-step strategies make no per-step collective: each worker judges its own.
-            flags = [loss_sum, float(not math.isfinite(loss_sum)), float(stop.requested)]
+            local_loss = loss_sum.item()
+            flags = [local_loss, float(not math.isfinite(local_loss)), float(stop.requested)]
             if strategy.synchronous:
                 flags = D.all_reduce_scalars(flags, info, average=False)
                 flags[0] /= info.world_size
