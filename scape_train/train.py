@@ -197,8 +197,14 @@ class Trainer:
             return None
         if resume == "auto":
             path = self.ckpt.latest_valid()
+            if path is None and self.ckpt.list():
+                # Starting fresh here would prune them as new checkpoints arrive: stop instead.
+                raise CheckpointError(
+                    f"resume=auto: {self.ckpt.root} holds checkpoints but none passes its checksums "
+                    f"({', '.join(p.name for p in self.ckpt.list())}); nothing was changed. Move "
+                    "them aside to start fresh, or point resume= at a copy you trust.")
             if path is None:
-                log.info("resume=auto: no valid checkpoint in %s, starting fresh", self.ckpt.root)
+                log.info("resume=auto: no checkpoint in %s, starting fresh", self.ckpt.root)
             return path
         path = Path(resume)
         if (path / "manifest.json").exists():

@@ -161,3 +161,12 @@ def test_torch_compile_matches_eager(tmp_path, tok_cache):
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     assert eager.keys() == compiled.keys()
     assert all(abs(eager[k] - compiled[k]) < 1e-4 for k in eager)
+
+
+def test_resume_auto_refuses_when_every_checkpoint_is_corrupted(tmp_path, tok_cache):
+    run(job(tmp_path, tok_cache, "trainer.max_steps=2"))
+    ckpt = CheckpointManager(tmp_path / "checkpoints", None).list()[-1]
+    (ckpt / "model.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="none passes its checksums"):
+        run(job(tmp_path, tok_cache, "trainer.max_steps=4", "resume=auto"))
+    assert (ckpt / "model.pt").read_bytes() == b"not a checkpoint"  # left for the user to inspect
