@@ -198,3 +198,18 @@ class CheckpointManager:
         rank_state = _load_tensors(path / _rank_file(src))
         rank_state["resharded"] = saved_world != self.info.world_size
         return manifest, model_state, rank_state
+
+
+def find_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
+    """``path`` itself if it is a checkpoint directory, else the newest valid checkpoint of a run
+    directory (``<path>/checkpoints``) or of a checkpoints directory. ``what`` names the option in
+    the error (``checkpoint=``, ``resume=``)."""
+    path = Path(path).expanduser().resolve()
+    if (path / MANIFEST).is_file():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = CheckpointManager(root, DistInfo()).latest_valid()
+    if found is None:
+        raise CheckpointError(f"{what}={path}: no valid checkpoint there (expected a checkpoint "
+                              "directory with manifest.json, or a run directory with checkpoints/)")
+    return found

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from scape_train import distributed as D
-from scape_train.checkpoint import CheckpointError, CheckpointManager
+from scape_train.checkpoint import CheckpointError, CheckpointManager, find_checkpoint
 from scape_train.config import Config, grad_accum_steps, validate
 from scape_train.metrics import MetricsLogger, StepTimer, memory_metrics, peak_flops, plot_loss_curve
 from scape_train.optim.comm import Comm
@@ -206,14 +206,7 @@ class Trainer:
             if path is None:
                 log.info("resume=auto: no checkpoint in %s, starting fresh", self.ckpt.root)
             return path
-        path = Path(resume)
-        if (path / "manifest.json").exists():
-            return path
-        found = CheckpointManager(path / "checkpoints", self.info).latest_valid()
-        if found is None:
-            raise CheckpointError(f"resume={resume}: no valid checkpoint there (expected a "
-                                  "checkpoint directory with manifest.json, or a run directory)")
-        return found
+        return find_checkpoint(resume, what="resume")
 
     def _maybe_resume(self) -> None:
         path = self._resume_path()

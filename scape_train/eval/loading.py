@@ -14,21 +14,7 @@ from typing import Any
 
 import torch
 
-from scape_train.checkpoint import MODEL_FILE, CheckpointError, CheckpointManager
-from scape_train.distributed import DistInfo
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """``path`` itself if it is a checkpoint, else the newest valid checkpoint of a run directory."""
-    path = Path(path).expanduser().resolve()
-    if (path / "manifest.json").is_file():
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    found = CheckpointManager(root, DistInfo()).latest_valid()
-    if found is None:
-        raise CheckpointError(f"checkpoint={path}: no valid checkpoint there (expected a checkpoint "
-                              "directory with manifest.json, or a run directory with checkpoints/)")
-    return found
+from scape_train.checkpoint import MODEL_FILE, CheckpointError, CheckpointManager, find_checkpoint
 
 
 def _dataclass_from(cls: type, values: dict[str, Any], what: str) -> Any:

@@ -80,27 +80,27 @@ def _count_kernel(mask_ptr, counts_ptr, n, PACKED: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def _gather_kernel(values_ptr, mask_ptr, starts_ptr, out_ptr, n, PACKED: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _block_slots(mask_ptr, starts_ptr, n, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+    """This block's element offsets, each set element's payload slot, and which are set."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     bits = _load_bits(mask_ptr, offs, n, PACKED)
     slot = tl.load(starts_ptr + pid) + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
-    keep = bits != 0
-    vals = tl.load(values_ptr + offs, mask=keep)
-    tl.store(out_ptr + slot, vals, mask=keep)
+    return offs, slot, bits != 0
+
+
+@triton.jit
+def _gather_kernel(values_ptr, mask_ptr, starts_ptr, out_ptr, n, PACKED: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    offs, slot, keep = _block_slots(mask_ptr, starts_ptr, n, PACKED, BLOCK)
+    tl.store(out_ptr + slot, tl.load(values_ptr + offs, mask=keep), mask=keep)
 
 
 @triton.jit
 def _scatter_kernel(payload_ptr, mask_ptr, starts_ptr, out_ptr, n, PACKED: tl.constexpr,
                     BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    bits = _load_bits(mask_ptr, offs, n, PACKED)
-    slot = tl.load(starts_ptr + pid) + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
-    keep = bits != 0
-    vals = tl.load(payload_ptr + slot, mask=keep)
-    tl.store(out_ptr + offs, vals, mask=keep)
+    offs, slot, keep = _block_slots(mask_ptr, starts_ptr, n, PACKED, BLOCK)
+    tl.store(out_ptr + offs, tl.load(payload_ptr + slot, mask=keep), mask=keep)
 
 
 # ----------------------------------------------------------------------------------------------
