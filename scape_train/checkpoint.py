@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from scape_train.distributed import DistInfo, barrier
 
@@ -80,14 +79,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _all_ok(ok: bool, info: DistInfo) -> bool:
-    if not info.enabled:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 class CheckpointManager:
     def __init__(self, root: Path, info: DistInfo, keep_last: int = 3):
         self.root, self.info, self.keep_last = Path(root), info, keep_last
@@ -111,7 +102,7 @@ class CheckpointManager:
         except (OSError, RuntimeError) as exc:  # disk full, permissions: previous ones stay intact
             # torch's zip writer turns ENOSPC into a RuntimeError ("unexpected pos") on close
             error = exc.__context__ if isinstance(exc.__context__, OSError) else exc
-        if not _all_ok(error is None, self.info):
+        if not self.info.comm.all_ok(error is None):
             if self.info.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(

@@ -1,18 +1,22 @@
 """Process-group set-up, rank/world, device choice and the one run directory all ranks share.
 
 Under ``torchrun`` (WORLD_SIZE > 1 in the environment) the process group is initialised with
-NCCL on GPUs and gloo on CPUs; without it the same code runs as a single process.
+NCCL on GPUs and gloo on CPUs; without it the same code runs as a single process. Every
+collective, start-up and checkpoint agreement included, goes through ``info.comm``
+(``optim/comm.py``): device tensors only, counted.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from scape_train.optim.comm import Comm, enforce_comm_only_from_env
 
 
 @dataclass
@@ -22,6 +26,7 @@ class DistInfo:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     owns_group: bool = False          # this process created the group here, so it destroys it
+    comm: Comm = field(default_factory=Comm)   # the default group's counted collectives
 
     @property
     def is_main(self) -> bool:
@@ -64,7 +69,12 @@ def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistInfo:
         dist.init_process_group(backend, timeout=timeout, **kwargs)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, owns_group=owns)
+    enforce_comm_only_from_env()
+    # gloo takes CPU tensors; NCCL, and one process without a group, the training device's
+    gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+    comm = Comm(device=torch.device("cpu") if gloo else dev)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, owns_group=owns,
+                    comm=comm)
 
 
 def shutdown(info: DistInfo) -> None:
@@ -77,27 +87,11 @@ def shutdown(info: DistInfo) -> None:
 
 def broadcast_object(obj, info: DistInfo):
     """Rank 0's ``obj`` on every rank."""
-    if not info.enabled:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return info.comm.broadcast_object(obj)
 
 
 def barrier(info: DistInfo) -> None:
-    if info.enabled:
-        dist.barrier()
-
-
-def all_reduce_scalars(values: list[float], info: DistInfo, average: bool = True) -> list[float]:
-    """Sum (mean) a few logging scalars over ranks. Not counted as optimizer traffic."""
-    if not info.enabled:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    if average:
-        t /= info.world_size
-    return t.tolist()
+    info.comm.barrier()
 
 
 def resolve_run_dir(run_dir: str | None, run_name: str, resume: str, info: DistInfo) -> Path:

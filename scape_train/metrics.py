@@ -65,34 +65,58 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
 
 
 class StepTimer:
-    """Accumulates named phases (data, fwd_bwd, optimizer) between ``pop()`` calls."""
+    """Accumulates named phases (data, fwd_bwd, optimizer) between ``pop()`` calls.
+
+    On CUDA a phase is timed by two events on the current stream, and the events are read only in
+    ``pop()`` (at a log step): no synchronization inside the step, so the host runs ahead of the
+    GPU and an asynchronous collective (SCAPE's next-mask all-gather) stays overlapped with the
+    next forward/backward. The figures are then GPU time between the phase boundaries. On the
+    CPU the host clock is the device clock.
+    """
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.cuda = device.type == "cuda"
         self.totals: dict[str, float] = {}
-        self._start: float | None = None
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._events: list[tuple[str, Any, Any]] = []
 
     def phase(self, name: str):
         timer = self
 
         class _Phase:
             def __enter__(self_inner):
-                timer.sync()
-                self_inner.t0 = time.perf_counter()
+                if timer.cuda:
+                    self_inner.start = torch.cuda.Event(enable_timing=True)
+                    self_inner.start.record()
+                else:
+                    self_inner.t0 = time.perf_counter()
 
             def __exit__(self_inner, *exc):
-                timer.sync()
-                timer.totals[name] = timer.totals.get(name, 0.0) + time.perf_counter() - self_inner.t0
+                if timer.cuda:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    timer._events.append((name, self_inner.start, end))
+                else:
+                    timer.totals[name] = (timer.totals.get(name, 0.0)
+                                          + time.perf_counter() - self_inner.t0)
 
         return _Phase()
 
     def pop(self) -> dict[str, float]:
+        for name, start, end in self._events:
+            end.synchronize()
+            self.totals[name] = self.totals.get(name, 0.0) + start.elapsed_time(end) / 1e3
+        self._events = []
         out, self.totals = self.totals, {}
         return out
+
+
+def read_on_host(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with every tensor value read to a Python number, in one device read."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    if not keys:
+        return metrics
+    values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys]).tolist()
+    return {**metrics, **dict(zip(keys, values))}
 
 
 class MetricsLogger:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import signal
 import time
@@ -30,8 +29,8 @@ from omegaconf import OmegaConf
 from scape_train import distributed as D
 from scape_train.checkpoint import CheckpointError, CheckpointManager, find_checkpoint
 from scape_train.config import Config, grad_accum_steps, validate
-from scape_train.metrics import MetricsLogger, StepTimer, memory_metrics, peak_flops, plot_loss_curve
-from scape_train.optim.comm import Comm
+from scape_train.metrics import (MetricsLogger, StepTimer, memory_metrics, peak_flops,
+                                 plot_loss_curve, read_on_host)
 from scape_train.rng import get_rng_state, seed_everything, set_rng_state
 from scape_train.schedule import lr_at
 from scape_train.tracking import init_wandb
@@ -98,7 +97,8 @@ def evaluate(model, batches, autocast, info: D.DistInfo, limit: int = 0) -> floa
     """Mean token loss over the fixed validation set (all ranks' shares)."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total = torch.zeros((), dtype=torch.float64, device=info.device)   # read once, at the end
+    count = 0
     with torch.no_grad():
         for i, (x, y) in enumerate(batches):
             if limit and i >= limit:
@@ -106,10 +106,10 @@ def evaluate(model, batches, autocast, info: D.DistInfo, limit: int = 0) -> floa
             x, y = x.to(info.device), y.to(info.device)
             with autocast():
                 logits = model(x)
-            total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+            total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
             count += y.numel()
     model.train(was_training)
-    total, count = D.all_reduce_scalars([total, float(count)], info, average=False)
+    total, count = info.comm.reduce_scalars([total, count]).tolist()
     return total / max(count, 1.0)
 
 
@@ -127,6 +127,7 @@ class Trainer:
             from scape_train.eval.tasks import prepare_tasks
 
             self.eval_tasks = prepare_tasks(cfg.eval)
+        self.comm = self.info.comm    # every collective of this run, counted in one place
         self.run_dir = D.resolve_run_dir(cfg.run_dir, cfg.run_name, cfg.resume, self.info)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.info, t.keep_last)
         self._refuse_to_overwrite()
@@ -159,7 +160,6 @@ class Trainer:
         if info.is_main:
             D.barrier(info)
         self.model = build_model(cfg.model, vocab_size=self.tokenizer.vocab_size, device=info.device)
-        self.comm = Comm()
         if cfg.strategy.name == "data_parallel":
             self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm)
         else:  # DiLoCo / GASLoC: the optimizer group's optimizer takes the inner steps
@@ -236,8 +236,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         # Never write a checkpoint that cannot be resumed from: non-finite weights can appear one
         # step before the loss shows them (the update that overflows comes after the forward).
-        bad = float(not all(torch.isfinite(p).all() for p in self.model.parameters()))
-        if D.all_reduce_scalars([bad], self.info, average=False)[0] > 0:
+        bad = torch.stack([~torch.isfinite(p).all() for p in self.model.parameters()]).any()
+        if self.comm.reduce_scalars([bad]).item() > 0:
             raise NonFiniteLossError(
                 f"non-finite parameters after step {self.state.step}: not checkpointed. The last "
                 f"good checkpoint is {self.ckpt.latest_valid() or 'none'}; resume from it with "
@@ -275,14 +275,15 @@ class Trainer:
             loss_sum += loss.detach().float()
         with timer.phase("optimizer"):
             strategy.after_backward()
-            # One tiny collective agrees on the loss, a non-finite loss and a stop request.
+            # One tiny collective of device scalars agrees on the loss, a non-finite loss and a
+            # stop request; reading it is the step's one host sync (the skip decision needs it).
             # Local-step strategies make no per-step collective: each worker judges its own.
-            local_loss = loss_sum.item()
-            flags = [local_loss, float(not math.isfinite(local_loss)), float(stop.requested)]
+            flags = [loss_sum, (~torch.isfinite(loss_sum)).float(), float(stop.requested)]
             if strategy.synchronous:
-                flags = D.all_reduce_scalars(flags, info, average=False)
-                flags[0] /= info.world_size
-            loss_mean, bad, stop_any = flags
+                loss_total, bad, stop_any = self.comm.reduce_scalars(flags).tolist()
+                loss_mean = loss_total / info.world_size
+            else:
+                loss_mean, bad, stop_any = self.comm.scalars(flags).tolist()
             stop.requested = stop_any > 0
             if bad > 0:
                 strategy.zero_grad()
@@ -337,6 +338,9 @@ class Trainer:
                     # strategy's sync points): validation, checkpoints and the end happen there.
                     agreed = self.strategy.progress(step)
                     if step % t.log_every == 0 or agreed == t.max_steps:
+                        # the only place the step's device metrics are read (NCCL: no per-step
+                        # host syncs beyond the loss agreement)
+                        metrics = read_on_host(metrics)
                         elapsed = time.perf_counter() - window_start
                         tok_s = self.tokens_per_step * window_steps / elapsed
                         metrics.update({f"time/{k}_s": v / window_steps for k, v in timer.pop().items()})

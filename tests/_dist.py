@@ -29,6 +29,9 @@ def _worker(rank, world_size, port, fn, args, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    from scape_train.optim.comm import enforce_comm_only_from_env
+
+    enforce_comm_only_from_env()     # spawned: conftest did not run here
     result_path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from scape_train.metrics import read_on_host
+
 from scape_train.optim import build_optimizer
 from scape_train.optim.comm import Comm
 from scape_train.optim.config import OptimizerConfig
@@ -44,6 +46,6 @@ def train_step(strategy, wrapped: nn.Module, step: int, rank: int, lr: float = 1
         with strategy.sync_context(wrapped, i == micro - 1):
             (loss_fn(wrapped, xs, ys) / micro).backward()
     strategy.after_backward()
-    metrics = strategy.step(lr)
+    metrics = read_on_host(strategy.step(lr))
     strategy.zero_grad()
     return metrics

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from scape_train.metrics import read_on_host
+
 from scape_train.optim.comm import ring_all_gather_bytes, ring_all_reduce_bytes
 from scape_train.optim.density import segment_k
 
@@ -24,7 +26,7 @@ def record_run(strategy, wrapped, rank: int, steps: int, lr: float = 1e-2) -> di
         strategy.comm.pop_stats()
         x, y = batch(t, rank)
         loss_fn(wrapped, x, y).backward()
-        metrics = strategy.step(lr)
+        metrics = read_on_host(strategy.step(lr))
         strategy.zero_grad()
         stats = strategy.comm.pop_stats()
         recs.append(dict(before=before, after=flat_params(wrapped), metrics=metrics, stats=stats,

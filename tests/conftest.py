@@ -1,4 +1,6 @@
-"""Test-wide environment: offline hubs, W&B off, Triton interpreted (before triton is imported)."""
+"""Test-wide environment: offline hubs, W&B off, Triton interpreted (before triton is imported),
+and NCCL's discipline on every process: a collective issued from the package outside
+``optim/comm.py`` raises (``SCAPE_STRICT_COMM=1`` reaches subprocesses and torchrun workers)."""
 
 import os
 
@@ -8,10 +10,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("SCAPE_STRICT_COMM", "1")
 
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+from scape_train.optim.comm import enforce_comm_only_from_env  # noqa: E402
+
+enforce_comm_only_from_env()
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scape_train.metrics import read_on_host
+
 from scape_train.optim.comm import ring_all_gather_bytes, ring_all_reduce_bytes
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.density import segment_k
@@ -37,7 +39,7 @@ def single_process_reference(name):
     for t in range(1, 4):
         xs, ys = zip(*[batch(t, r, 8 * MICRO) for r in range(WORLD)])
         loss_fn(model, torch.cat(xs), torch.cat(ys)).backward()
-        metrics = strategy.step(1e-2)
+        metrics = read_on_host(strategy.step(1e-2))
         strategy.zero_grad()
         out.append((flat_params(model), metrics["grad_norm"]))
     return out

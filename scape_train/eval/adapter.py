@@ -21,12 +21,13 @@ import contextlib
 from typing import Any, Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
+
+from scape_train.optim.comm import Comm
 
 # (request strings, context ids, continuation ids) as TemplateLM.loglikelihood builds them
 TokRequest = tuple[tuple[str, str], list[int], list[int]]
@@ -66,8 +67,8 @@ class ScapeLM(TemplateLM):
         # Documents were packed as ``doc EOS doc EOS``: EOS is what the model saw before a text.
         self._prefix = tokenizer.eos_id if prefix_token_id is None else int(prefix_token_id)
         self._device = next(model.parameters()).device
-        if dist.is_available() and dist.is_initialized():
-            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self._comm = Comm()   # the evaluator's collectives: device tensors, counted as ``eval``
+        self._rank, self._world_size = self._comm.rank, self._comm.world
 
     # -- properties lm-eval reads ------------------------------------------------------------
     @property
@@ -97,20 +98,18 @@ class ScapeLM(TemplateLM):
         if self.world_size == 1:
             return tensor.reshape(-1)
         t = tensor.reshape(-1).contiguous()
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t)
-        return torch.cat(out)
+        out = t.new_empty(t.numel() * self.world_size)
+        self._comm.all_gather(out, t, kind="eval")
+        return out
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         if self.world_size == 1:
             return [obj]
-        out = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst)
-        return out
+        gathered = self._comm.all_gather_object(obj, kind="eval")
+        return gathered if self.rank == dst else None
 
     def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
+        self._comm.barrier()
 
     # -- the model -------------------------------------------------------------------------
     def _autocast(self):

@@ -10,6 +10,8 @@ training loop. The loop calls, per optimizer step:
             loss.backward()
     strategy.after_backward()                          # after the last micro-batch
     metrics = strategy.step(lr)                        # clip + update; returns scalar metrics
+                                                       # (floats, or 0-d device tensors that
+                                                       # the trainer reads at log steps only)
     strategy.zero_grad()
 
 Learning rates are passed in by the trainer (its scheduler is a pure function of the step), so a
@@ -58,7 +60,8 @@ class OptimizerStrategy(abc.ABC):
 
     @abc.abstractmethod
     def step(self, lr: float) -> dict[str, float]:
-        """Clip, communicate as the strategy does, update; returns scalar metrics (grad_norm...)."""
+        """Clip, communicate as the strategy does, update; returns scalar metrics (grad_norm...):
+        floats or 0-d device tensors, never read on the host here (NCCL: no sync in the step)."""
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:

@@ -8,16 +8,88 @@ counted too: that is the communication the step could not hide.
 
 Without an initialized process group (or with a world of one) every operation is a local no-op
 with the correct result, so the same optimizer code runs as one process.
+
+NCCL's rules hold here for every backend, so that code tested on gloo runs on NCCL:
+- every tensor handed to a collective lives on the group's device (``Comm.device``: the current
+  CUDA device under NCCL, the CPU under gloo), scalars and control flags included
+  (:meth:`Comm.reduce_scalars`), and a tensor elsewhere is refused before anything is sent;
+- nothing here reads a device value on the host: a result is read by the caller, once, when it
+  needs it (``reduce_scalars`` returns a device tensor);
+- waiting time is measured on the device under CUDA (events around the stream wait, read only when
+  the stats are popped, at a log step), and on the host clock under gloo, whose waits block it.
+:func:`enforce_comm_only` makes any collective issued from this package outside this module fail
+(the test suite turns it on in every process).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import pickle
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+STRICT_ENV = "SCAPE_STRICT_COMM"
+# The public collectives of torch.distributed that package code might call directly.
+_GUARDED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+            "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
+            "barrier", "monitored_barrier", "broadcast_object_list", "all_gather_object",
+            "gather_object", "scatter_object_list", "gather", "scatter", "reduce",
+            "all_to_all", "all_to_all_single", "batch_isend_irecv", "send", "recv", "isend",
+            "irecv")
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])   # .../scape_train
+_THIS_FILE = str(Path(__file__).resolve())
+
+
+class CollectiveOutsideCommError(RuntimeError):
+    pass
+
+
+def _caller_in_package() -> str | None:
+    """Where the collective was called from, when that is this package but not this module.
+
+    Only the immediate caller counts: torch-internal code (DDP's reducer, a library comm hook
+    such as PowerSGD's) may issue collectives of its own; package code may not."""
+    frame = sys._getframe(2)     # 0: here, 1: guarded(), 2: its caller
+    path = frame.f_code.co_filename
+    if path != _THIS_FILE and path.startswith(_PACKAGE_DIR):
+        return f"{path}:{frame.f_lineno}"
+    return None
+
+
+def enforce_comm_only() -> None:
+    """Make every ``torch.distributed`` collective issued by this package outside ``Comm`` raise.
+
+    Idempotent. Collectives that torch itself issues on behalf of library code (DDP's reducer,
+    a library comm hook) are left alone: their bytes are counted where the hook is installed.
+    """
+    for name in _GUARDED:
+        fn = getattr(dist, name, None)
+        if fn is None or getattr(fn, "_scape_guarded", False):
+            continue
+
+        def guarded(*args, __fn=fn, __name=name, **kwargs):
+            where = _caller_in_package()
+            if where is not None:
+                raise CollectiveOutsideCommError(
+                    f"torch.distributed.{__name} called from {where}, outside optim/comm.py: every "
+                    "collective goes through Comm (device tensors, counted bytes)")
+            return __fn(*args, **kwargs)
+
+        functools.update_wrapper(guarded, fn)
+        guarded._scape_guarded = True
+        setattr(dist, name, guarded)
+
+
+def enforce_comm_only_from_env() -> None:
+    if os.environ.get(STRICT_ENV, "") == "1":
+        enforce_comm_only()
 
 
 def ring_all_reduce_bytes(nbytes: int, world: int) -> int:
@@ -45,10 +117,34 @@ class KindStats:
     recv_bytes: int = 0
     calls: int = 0
     wait_s: float = 0.0
+    # CUDA: (start, end) events around each wait, resolved into wait_s when the stats are popped
+    events: list = field(default_factory=list)
+
+
+class _WaitTimer:
+    """Times a wait: CUDA events on the current stream under CUDA (the stream stalls there, the
+    host does not), the host clock otherwise."""
+
+    def __init__(self, stats: KindStats, device: torch.device, started: float | None = None):
+        self.stats, self.cuda = stats, device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter() if started is None else started
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats.events.append((self.start, end))
+        else:
+            self.stats.wait_s += time.perf_counter() - self.start
 
 
 class Handle:
-    """An in-flight collective. ``wait()`` blocks, runs any finishing op, and counts the wait."""
+    """An in-flight collective. ``wait()`` makes the caller's stream (gloo: the host) wait for
+    it, runs any finishing op, and counts the wait."""
 
     def __init__(self, comm: "Comm", kind: str, work=None, finish=None):
         self._comm, self._kind, self._work, self._finish = comm, kind, work, finish
@@ -63,20 +159,32 @@ class Handle:
     def wait(self) -> None:
         if self.done:
             return
-        start = time.perf_counter()
+        timer = _WaitTimer(self._comm.stats[self._kind], self._comm.device)
         if self._work is not None:
             self._work.wait()
         if self._finish is not None:
             self._finish()
-        self._comm.stats[self._kind].wait_s += time.perf_counter() - start
+        timer.stop()
         self.done = True
+
+
+def default_device(backend: str) -> torch.device:
+    """The device a backend's collectives take tensors on: NCCL the current CUDA device."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass
 class Comm:
-    """Counted collectives over one process group (``None`` = the default group)."""
+    """Counted collectives over one process group (``None`` = the default group).
+
+    ``device``: where this group's tensors live (default: the backend's, see
+    :func:`default_device`); a collective on a tensor elsewhere is refused.
+    """
 
     group: object | None = None
+    device: torch.device | None = None
     stats: dict = field(default_factory=lambda: defaultdict(KindStats))
 
     def __post_init__(self):
@@ -84,6 +192,11 @@ class Comm:
         self.rank = dist.get_rank(self.group) if self.enabled else 0
         self.world = dist.get_world_size(self.group) if self.enabled else 1
         self.backend = dist.get_backend(self.group) if self.enabled else "none"
+        if self.device is None:
+            self.device = default_device(self.backend)
+        self.device = torch.device(self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     # -- bookkeeping -----------------------------------------------------------------------
     def count(self, kind: str, sent: int, recv: int) -> None:
@@ -93,23 +206,40 @@ class Comm:
         s.recv_bytes += recv
         s.calls += 1
 
+    def _check(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.device != self.device:
+                raise ValueError(
+                    f"collective on a tensor on {t.device}, but this process group's tensors live "
+                    f"on {self.device} (backend {self.backend}); NCCL refuses host tensors: build "
+                    "it on Comm.device")
+
     def _run(self, kind: str, work, async_op: bool, finish=None, started: float | None = None
              ) -> Handle:
         """``started``: when the (blocking) collective was issued, so its time counts as wait."""
         handle = Handle(self, kind, work if async_op else None, finish)
         if not async_op:
-            start = time.perf_counter() if started is None else started
+            timer = _WaitTimer(self.stats[kind], self.device, started)
             if finish is not None:
                 finish()
-            self.stats[kind].wait_s += time.perf_counter() - start
+            timer.stop()
             handle.done = True
         return handle
 
+    def _start_timer(self) -> float | None:
+        """The host time a blocking gloo collective starts (CUDA: events time it instead)."""
+        return None if self.device.type == "cuda" else time.perf_counter()
+
     def pop_stats(self) -> dict[str, float]:
-        """Flat metrics for the step just finished (``comm/<kind>_sent_bytes`` ...); resets."""
+        """Flat metrics since the last pop (``comm/<kind>_sent_bytes`` ...); resets.
+
+        Under CUDA this reads the wait events: one synchronization, at a log step."""
         out: dict[str, float] = {}
         total_sent = total_wait = 0.0
         for kind, s in sorted(self.stats.items()):
+            for start, end in s.events:
+                end.synchronize()
+                s.wait_s += start.elapsed_time(end) / 1e3
             out[f"comm/{kind}_sent_bytes"] = s.sent_bytes
             out[f"comm/{kind}_recv_bytes"] = s.recv_bytes
             out[f"comm/{kind}_wait_s"] = s.wait_s
@@ -122,17 +252,36 @@ class Comm:
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, *, kind: str, average: bool = True,
-                   async_op: bool = False) -> Handle:
-        """In-place sum (or mean) over ranks."""
+                   op: str = "sum", async_op: bool = False) -> Handle:
+        """In-place sum (or mean; or ``op="min"|"max"``) over ranks."""
         if self.world == 1:
             return Handle(self, kind)
+        self._check(tensor)
         n = ring_all_reduce_bytes(_nbytes(tensor), self.world)
         self.count(kind, n, n)
-        started = time.perf_counter()
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        started = self._start_timer()
+        reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+                     "max": dist.ReduceOp.MAX}[op]
+        work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
         # gloo has no ReduceOp.AVG: sum, then divide once the data has arrived.
-        finish = (lambda: tensor.div_(self.world)) if average else None
+        finish = (lambda: tensor.div_(self.world)) if average and op == "sum" else None
         return self._run(kind, work, async_op, finish, started)
+
+    def scalars(self, values) -> torch.Tensor:
+        """Numbers and 0-d device tensors as one float64 tensor on ``device``, without reading
+        any of them on the host."""
+        return torch.cat([v.reshape(1).to(torch.float64) if isinstance(v, torch.Tensor)
+                          else torch.tensor([float(v)], dtype=torch.float64, device=self.device)
+                          for v in values])
+
+    def reduce_scalars(self, values, *, op: str = "sum", kind: str = "control") -> torch.Tensor:
+        """Sum (``op="min"|"max"``) a few scalars over ranks: a float64 tensor on ``device``.
+
+        The caller reads the result (``.tolist()``) once, when it must.
+        """
+        t = self.scalars(values)
+        self.all_reduce(t, kind=kind, average=False, op=op)
+        return t
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, kind: str,
                    async_op: bool = False) -> Handle:
@@ -140,10 +289,11 @@ class Comm:
         if self.world == 1:
             output.copy_(shard.reshape(output.shape))
             return Handle(self, kind)
+        self._check(output, shard)
         n = ring_all_gather_bytes(_nbytes(shard), self.world)
         self.count(kind, n, n)
-        started = time.perf_counter()
-        work = dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+        started = self._start_timer()
+        work = dist.all_gather_single(output, shard, group=self.group, async_op=async_op)
         return self._run(kind, work, async_op, started=started)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, kind: str,
@@ -152,10 +302,11 @@ class Comm:
         if self.world == 1:
             output.copy_(input.reshape(output.shape))
             return Handle(self, kind)
+        self._check(output, input)
         n = ring_reduce_scatter_bytes(_nbytes(input), self.world)
         self.count(kind, n, n)
-        started = time.perf_counter()
-        work = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
+        started = self._start_timer()
+        work = dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group,
                                           async_op=async_op)
         finish = (lambda: output.div_(self.world)) if average else None
         return self._run(kind, work, async_op, finish, started)
@@ -163,16 +314,19 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, kind: str) -> Handle:
         if self.world == 1:
             return Handle(self, kind)
+        self._check(tensor)
         n = _nbytes(tensor)
         self.count(kind, n if self.rank == src else 0, 0 if self.rank == src else n)
-        dist.broadcast(tensor, src=src, group=self.group)
+        dist.broadcast(tensor, src=self._global(src), group=self.group)
         return Handle(self, kind)
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
                  *, kind: str, async_op: bool = False) -> Handle:
         """Point-to-point: send each ``(tensor, peer)`` and receive into each ``(tensor, peer)``."""
-        ops = [dist.P2POp(dist.isend, t, self._global(p), self.group) for t, p in sends]
-        ops += [dist.P2POp(dist.irecv, t, self._global(p), self.group) for t, p in recvs]
+        self._check(*(t for t, _ in sends), *(t for t, _ in recvs))
+        c10d = dist.distributed_c10d    # P2POp accepts only c10d's own isend/irecv objects
+        ops = [dist.P2POp(c10d.isend, t, self._global(p), self.group) for t, p in sends]
+        ops += [dist.P2POp(c10d.irecv, t, self._global(p), self.group) for t, p in recvs]
         if not ops:
             return Handle(self, kind)
         self.count(kind, sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs))
@@ -185,9 +339,41 @@ class Comm:
 
         return self._run(kind, _All(), async_op, None if async_op else (lambda: _All().wait()))
 
+    # -- control: objects and barriers (start-up, checkpoints, evaluation) -----------------
+    def broadcast_object(self, obj, src: int = 0, *, kind: str = "control"):
+        """``src``'s picklable ``obj`` on every rank (staged through ``device`` tensors)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(src), group=self.group,
+                                   device=self.device)
+        n = len(pickle.dumps(box[0]))
+        self.count(kind, n if self.rank == src else 0, 0 if self.rank == src else n)
+        return box[0]
+
+    def all_gather_object(self, obj, *, kind: str = "control") -> list:
+        """Every rank's picklable ``obj``, in rank order."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        n = len(pickle.dumps(obj))
+        self.count(kind, n * (self.world - 1), sum(len(pickle.dumps(o)) for i, o in enumerate(out)
+                                                   if i != self.rank))
+        return out
+
+    def all_ok(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank (one device-tensor MIN all-reduce, read once)."""
+        if self.world == 1:
+            return ok
+        return bool(self.reduce_scalars([1.0 if ok else 0.0], op="min").item())
+
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier(group=self.group)
+            if self.device.type == "cuda":
+                dist.barrier(group=self.group, device_ids=[self.device.index])
+            else:
+                dist.barrier(group=self.group)
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)

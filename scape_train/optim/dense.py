@@ -83,12 +83,15 @@ def build_local_optimizer(cfg: OptimizerConfig, model: nn.Module, adams: bool
     return opt, {i: by_id[id(p)] for i, p in enumerate(flat)}
 
 
-def grad_norm_and_clip(params: list[torch.Tensor], max_norm: float, foreach: bool) -> float:
+def grad_norm_and_clip(params: list[torch.Tensor], max_norm: float, foreach: bool
+                       ) -> torch.Tensor | float:
+    """The global gradient norm as a device tensor (read at log steps only: no host sync here),
+    after clipping to ``max_norm`` when it is > 0."""
     if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
     grads = [p.grad for p in params if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
-                                                       for g in grads]))) if grads else 0.0
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                 for g in grads])) if grads else 0.0
 
 
 class DenseStrategy(OptimizerStrategy):

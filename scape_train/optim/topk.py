@@ -80,7 +80,7 @@ class TopKAdamWStrategy(OptimizerStrategy):
         self.optimizer.step()
         self.steps_done = t
         return {"grad_norm": norm, "topk/payload_numel": float(k),
-                "topk/residual_norm": float(self.residual.norm())}
+                "topk/residual_norm": self.residual.norm()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": named_state_dict(self.optimizer, self._names), "step": self.steps_done,

@@ -156,13 +156,24 @@ def _unpack_torch(packed: torch.Tensor, n: int) -> torch.Tensor:
     return bits.reshape(-1)[:n].bool()
 
 
-def _gather_torch(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # boolean indexing returns elements in increasing (row-major) index order
-    return values.reshape(-1)[mask.reshape(-1)]
+def _gather_torch(values: torch.Tensor, mask: torch.Tensor, count: int | None = None
+                  ) -> torch.Tensor:
+    if count is None:
+        # boolean indexing returns elements in increasing (row-major) index order; its output
+        # size is data-dependent: a host sync on CUDA
+        return values.reshape(-1)[mask.reshape(-1)]
+    # the popcount known in advance: fixed-size indices, no host sync
+    idx = torch.nonzero_static(mask.reshape(-1), size=count).reshape(-1)
+    return values.reshape(-1).index_select(0, idx)
 
 
-def _scatter_torch(payload: torch.Tensor, mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    out[mask] = payload  # index_put_ on `out` itself (also when it is a view)
+def _scatter_torch(payload: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
+                   count: int | None = None) -> torch.Tensor:
+    if count is None or not out.is_contiguous():
+        out[mask] = payload  # index_put_ on `out` itself (also when it is a view)
+        return out
+    idx = torch.nonzero_static(mask.reshape(-1), size=count).reshape(-1)
+    out.view(-1).index_copy_(0, idx, payload)
     return out
 
 
@@ -186,35 +197,44 @@ def unpack_bits(packed: torch.Tensor, n: int, *, backend: str = "auto") -> torch
     return _unpack_torch(packed, n)
 
 
-def gather_masked(values: torch.Tensor, mask: torch.Tensor, *, backend: str = "auto"
-                  ) -> torch.Tensor:
-    """The values at the mask positions, in increasing index order: 1-D, ``popcount(mask)`` long."""
+def gather_masked(values: torch.Tensor, mask: torch.Tensor, *, backend: str = "auto",
+                  count: int | None = None) -> torch.Tensor:
+    """The values at the mask positions, in increasing index order: 1-D, ``popcount(mask)`` long.
+
+    ``count``: the mask's popcount when the caller knows it (SCAPE does, from the density
+    schedule); then nothing is read back to the host. It must be exact: a wrong count gives a
+    wrong payload, not an error (checking it would cost the sync it avoids).
+    """
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
     _check_mask(mask)
     _check_same(values, mask, "values", "mask")
     if resolve_backend(backend, values, mask) == "triton":
-        return _triton().gather_masked(values, mask)
-    return _gather_torch(values, mask)
+        return _triton().gather_masked(values, mask, count)
+    return _gather_torch(values, mask, count)
 
 
 def scatter_masked(payload: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, *,
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", count: int | None = None) -> torch.Tensor:
     """Write ``payload`` into ``out`` at the mask positions, in place; other entries untouched.
 
     ``payload`` is 1-D with one value per set bit, in increasing index order (the output of
-    :func:`gather_masked`). Returns ``out``.
+    :func:`gather_masked`). Returns ``out``. ``count``: as in :func:`gather_masked` (given, the
+    popcount is not checked against the payload, so no host sync).
     """
     for name, t in (("payload", payload), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _check_mask(mask)
     _check_same(out, mask, "out", "mask")
+    if count is not None:
+        _check_payload(payload, out, count)
     if resolve_backend(backend, payload, mask, out) == "triton":
         _check_payload(payload, out, None)  # the kernel checks the count (it computes it anyway)
-        return _triton().scatter_masked(payload, mask, out)
-    _check_payload(payload, out, int(torch.count_nonzero(mask)))
-    return _scatter_torch(payload, mask, out)
+        return _triton().scatter_masked(payload, mask, out, count)
+    if count is None:
+        _check_payload(payload, out, int(torch.count_nonzero(mask)))
+    return _scatter_torch(payload, mask, out, count)
 
 
 def gather_masked_packed(values: torch.Tensor, packed: torch.Tensor, *, backend: str = "auto"

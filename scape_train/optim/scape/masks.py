@@ -34,6 +34,26 @@ def topk_own_mask(stat_own: torch.Tensor, part: PartitionMap, rank: int, layout:
     return bits
 
 
+def mask_counts(part: PartitionMap, layout: ParamLayout, density: float) -> list[list[int]]:
+    """The ones of a mask built at ``density`` on every segment of every rank, known on the host
+    in advance (what :func:`topk_own_mask` selects): no device read is needed for any size."""
+    return [[seg.numel if layout.excluded[seg.tensor] else segment_k(seg.numel, density)
+             for seg in segs] for segs in part.segments]
+
+
+def measured_counts(mask: torch.Tensor, part: PartitionMap) -> list[list[int]]:
+    """The ones of ``mask`` on every segment, read from the device (one host sync): for a mask
+    that was not built under this partition (a checkpoint from another world size)."""
+    segs = [s for rank_segs in part.segments for s in rank_segs]
+    flat = (torch.stack([torch.count_nonzero(mask[s.flat_start:s.flat_start + s.numel])
+                         for s in segs]).tolist() if segs else [])
+    out, i = [], 0
+    for rank_segs in part.segments:
+        out.append(flat[i:i + len(rank_segs)])
+        i += len(rank_segs)
+    return out
+
+
 class PendingMask:
     """An in-flight next-mask all-gather; :meth:`wait` returns the full bool mask."""
 

@@ -11,8 +11,6 @@ Per step (lines 1-7; the next mask, line 8, is the strategy's job):
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..adams import adams_update_
@@ -40,7 +38,7 @@ class ReplicatedScape:
         self.record = False          # tests: keep this step's candidate in ``last``
         self.last: dict[str, torch.Tensor] = {}
         self._c: torch.Tensor | None = None
-        self._res_sq = 0.0
+        self._res_sq = torch.zeros((), dtype=torch.float64, device=dev)
 
     # -- line 1 (and 3) ------------------------------------------------------------------------
     def prepare(self, g: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -58,21 +56,25 @@ class ReplicatedScape:
         self._res_sq = self.residual.set_from(self._c, mask)
 
     # -- lines 2, 4-7 --------------------------------------------------------------------------
-    def update(self, mask: torch.Tensor, lr: float, step: int) -> dict[str, float]:
+    def update(self, mask: torch.Tensor, lr: float, step: int, counts: list[list[int]]
+               ) -> dict[str, float]:
+        """``counts``: the mask's ones per segment of every rank, known on the host (the density
+        schedule), so that no size is read back from the device."""
         cfg, c = self.cfg, self._c
         assert c is not None, "prepare() first"
         beta1, beta2 = cfg.betas
         if self.record:
             self.last = {"c": c.clone(), "m_prev": self.m.clone()}
-        payload = gather_masked(c, mask, backend=self.backend)
+        k = sum(map(sum, counts))
+        payload = gather_masked(c, mask, backend=self.backend, count=k)
         self.comm.all_reduce(payload, kind="payload", average=True)
-        ghat_c = gather_masked(self.m, mask, backend=self.backend)
+        ghat_c = gather_masked(self.m, mask, backend=self.backend, count=k)
         ghat_c.mul_(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
         norm = torch.linalg.vector_norm(ghat_c)
         if cfg.clip_grad > 0:
             ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
         ghat = torch.zeros_like(c)
-        scatter_masked(ghat_c, mask, ghat, backend=self.backend)
+        scatter_masked(ghat_c, mask, ghat, backend=self.backend, count=k)
         if self.record:
             self.last.update(payload=payload.clone(), ghat=ghat.clone())
         for i, p in enumerate(self.layout.params):
@@ -82,8 +84,8 @@ class ReplicatedScape:
                           weight_decay=self.layout.weight_decay[i],
                           bias_correction=cfg.bias_correction, mask=mask[a:b])
         self._c = None
-        return {"grad_norm": float(norm), "scape/payload_numel": float(payload.numel()),
-                "scape/residual_norm": math.sqrt(self._res_sq)}
+        return {"grad_norm": norm, "scape/payload_numel": float(k),
+                "scape/residual_norm": self._res_sq.sqrt()}
 
     # -- state in model space ------------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:

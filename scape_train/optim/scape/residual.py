@@ -38,10 +38,11 @@ class ResidualStore:
         else:
             fn(0, self.numel, self._dev)
 
-    def fold(self, w: torch.Tensor, mask: torch.Tensor | None) -> float:
+    def fold(self, w: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``w += e``; then, if ``mask`` is given, ``e = w`` off the mask and 0 on it.
 
-        Returns ``||e_new||²`` (0.0 when the mask was not given and ``e`` was only read).
+        Returns ``||e_new||²`` as a float64 device tensor, not read on the host (0 when the mask
+        was not given and ``e`` was only read).
         """
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
 
@@ -52,9 +53,9 @@ class ResidualStore:
                 sq.add_(_sq_norm(chunk))
 
         self._each(fn, writeback=mask is not None)
-        return float(sq)
+        return sq
 
-    def set_from(self, w: torch.Tensor, mask: torch.Tensor) -> float:
+    def set_from(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``e = (1 - M) ⊙ w`` (the first step, when the mask is known only after ``w``)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
 
@@ -63,7 +64,7 @@ class ResidualStore:
             sq.add_(_sq_norm(chunk))
 
         self._each(fn)
-        return float(sq)
+        return sq
 
     def full(self) -> torch.Tensor:
         """A device copy of the whole residual (checkpoints, tests)."""

@@ -12,12 +12,12 @@ every rank keeps its own full-size residual ``ε^(r)`` (the part that depends on
 
 Owners' payload pieces have different lengths (the mask's popcount per owned range): both the
 reduce-scatter and the all-gather pad every piece to the largest; the padding is counted as sent.
-The clipping norm needs one scalar all-reduce (kind ``norm``).
+The clipping norm needs one scalar all-reduce (kind ``norm``). Every size (pieces, padding) follows
+from the per-segment counts the density schedule fixes in advance: the step reads nothing back from
+the device.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -46,7 +46,7 @@ class ShardedScape:
         self.record = False
         self.last: dict[str, torch.Tensor] = {}
         self._x: torch.Tensor | None = None
-        self._res_sq = 0.0
+        self._res_sq = torch.zeros((), dtype=torch.float64, device=dev)
 
     def prepare(self, g: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = torch.mul(g, 1.0 - self.cfg.betas[0])
@@ -61,30 +61,19 @@ class ShardedScape:
     def _base(self) -> torch.Tensor:
         return torch.mul(self.m, self.cfg.betas[0]).add_(self.rho)
 
-    def _segment_counts(self, mask: torch.Tensor) -> list[list[int]]:
-        """Popcount of the mask on every segment of every rank (one host sync)."""
-        segs = [s for rank_segs in self.part.segments for s in rank_segs]
-        if not segs:
-            return [[] for _ in self.part.segments]
-        flat = torch.stack([torch.count_nonzero(mask[s.flat_start:s.flat_start + s.numel])
-                            for s in segs]).tolist()
-        out, i = [], 0
-        for rank_segs in self.part.segments:
-            out.append(flat[i:i + len(rank_segs)])
-            i += len(rank_segs)
-        return out
-
-    def update(self, mask: torch.Tensor, lr: float, step: int) -> dict[str, float]:
+    def update(self, mask: torch.Tensor, lr: float, step: int, seg_counts: list[list[int]]
+               ) -> dict[str, float]:
+        """``seg_counts``: the mask's ones per segment of every rank, known on the host (the
+        density schedule): every size below follows from it, none is read from the device."""
         cfg, x, comm, lay = self.cfg, self._x, self.comm, self.layout
         assert x is not None, "prepare() first"
         beta1, beta2 = cfg.betas
         world, rank = comm.world, comm.rank
-        seg_counts = self._segment_counts(mask)
         counts = [sum(c) for c in seg_counts]
         width = max(1, max(counts))
         # Payload: this rank's x at every mask position, in flat order = owner order; pad each
         # owner's piece to ``width`` so one reduce-scatter hands each owner its piece.
-        payload = gather_masked(x, mask, backend=self.backend)
+        payload = gather_masked(x, mask, backend=self.backend, count=sum(counts))
         send = torch.zeros(world * width, dtype=torch.float32, device=x.device)
         start = 0
         for r, k in enumerate(counts):
@@ -95,8 +84,8 @@ class ShardedScape:
         k_own = counts[rank]
         own_mask = mask[self.lo:self.hi]
         base = self._base()
-        b_c = recv[:k_own].add_(gather_masked(base, own_mask, backend=self.backend))
-        ghat_c = gather_masked(self.m, own_mask, backend=self.backend)
+        b_c = recv[:k_own].add_(gather_masked(base, own_mask, backend=self.backend, count=k_own))
+        ghat_c = gather_masked(self.m, own_mask, backend=self.backend, count=k_own)
         ghat_c.mul_(-beta1).add_(b_c).div_(1.0 - beta1)
         sq = ghat_c.double().square().sum().float().reshape(1)
         comm.all_reduce(sq, kind="norm", average=False)
@@ -105,7 +94,7 @@ class ShardedScape:
             ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
         self.rho = base.masked_fill_(own_mask, 0.0)
         ghat = torch.zeros_like(self.m)
-        scatter_masked(ghat_c, own_mask, ghat, backend=self.backend)
+        scatter_masked(ghat_c, own_mask, ghat, backend=self.backend, count=k_own)
         for seg in self.part.segments[rank]:
             a = seg.flat_start - self.lo
             sl = slice(a, a + seg.numel)
@@ -115,8 +104,8 @@ class ShardedScape:
                           bias_correction=cfg.bias_correction, mask=own_mask[sl])
         self._sync_params(mask, lr, counts, seg_counts, width)
         self._x = None
-        return {"grad_norm": float(norm), "scape/payload_numel": float(payload.numel()),
-                "scape/residual_norm": math.sqrt(self._res_sq)}
+        return {"grad_norm": norm, "scape/payload_numel": float(payload.numel()),
+                "scape/residual_norm": self._res_sq.sqrt()}
 
     def _sync_params(self, mask: torch.Tensor, lr: float, counts: list[int],
                      seg_counts: list[list[int]], width: int) -> None:
@@ -124,7 +113,8 @@ class ShardedScape:
         own = [lay.flat_view(s.tensor)[s.start:s.end] for s in self.part.segments[rank]]
         shard = torch.zeros(width, dtype=torch.float32, device=lay.device)
         if own:
-            vals = gather_masked(torch.cat(own), mask[self.lo:self.hi], backend=self.backend)
+            vals = gather_masked(torch.cat(own), mask[self.lo:self.hi], backend=self.backend,
+                                 count=counts[rank])
             shard[:vals.numel()] = vals
         gathered = torch.empty(width * self.comm.world, dtype=torch.float32, device=lay.device)
         self.comm.all_gather(gathered, shard, kind="params")
@@ -138,7 +128,7 @@ class ShardedScape:
                 if wd != 0.0:
                     view.mul_(1.0 - lr * wd)   # off-mask coordinates: weight decay only
                 m = mask[seg.flat_start:seg.flat_start + seg.numel]
-                scatter_masked(gathered[at:at + k], m, view, backend=self.backend)
+                scatter_masked(gathered[at:at + k], m, view, backend=self.backend, count=k)
                 at += k
 
     # -- state in model space ------------------------------------------------------------------

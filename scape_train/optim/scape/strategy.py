@@ -23,7 +23,7 @@ from ..comm import Comm
 from ..config import OptimizerConfig
 from ..density import density_at
 from .kernels import pack_bits, resolve_backend, unpack_bits
-from .masks import MaskExchange, PendingMask, topk_own_mask
+from .masks import MaskExchange, PendingMask, mask_counts, measured_counts, topk_own_mask
 from .partition import ParamLayout, build_partition
 from .replicated import ReplicatedScape
 from .sharded import ShardedScape
@@ -49,6 +49,9 @@ class ScapeStrategy(OptimizerStrategy):
         self.steps_done = 0
         self.mask_cur: torch.Tensor | None = None
         self._pending: PendingMask | None = None
+        # ones per segment of a mask at density d, by d: sizes known on the host, not read back
+        self._counts: dict[float, list[list[int]]] = {}
+        self._loaded_counts: list[list[int]] | None = None   # a mask from another partition
 
     def _check_backend(self) -> None:
         dev = self.layout.device
@@ -77,6 +80,13 @@ class ScapeStrategy(OptimizerStrategy):
             grads.append(p.grad.reshape(-1).float())
         return torch.cat(grads)
 
+    def counts(self, density: float) -> list[list[int]]:
+        if density not in self._counts:
+            if len(self._counts) > 64:   # the warm-up visits each density once
+                self._counts.clear()
+            self._counts[density] = mask_counts(self.part, self.layout, min(density, 1.0))
+        return self._counts[density]
+
     def next_mask(self) -> torch.Tensor | None:
         """M_{t+1} (waits for the all-gather if it is still in flight)."""
         return None if self._pending is None else self._pending.wait()
@@ -91,15 +101,17 @@ class ScapeStrategy(OptimizerStrategy):
         if mask is None:                     # first step: build M_1 synchronously
             mask = self._first_mask(stat, self.density(t))
             self.engine.finish_residual(mask)
-        metrics = self.engine.update(mask, lr, t)
+        counts = self._loaded_counts or self.counts(self.density(t))
+        self._loaded_counts = None
+        metrics = self.engine.update(mask, lr, t, counts)
         own_bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, self.density(t + 1))
         self._pending = self.exchange.start(own_bits, async_op=True)
         self.mask_cur, self.steps_done = mask, t
-        ones = float(metrics["scape/payload_numel"])
+        ones = float(sum(map(sum, counts)))
         metrics["scape/density"] = ones / self.layout.total
         metrics["scape/target_density"] = self.density(t)
         if prev is not None:  # temporal stability: ones of M_t that were already in M_{t-1}
-            metrics["scape/mask_overlap"] = float(torch.count_nonzero(mask & prev)) / max(ones, 1.0)
+            metrics["scape/mask_overlap"] = torch.count_nonzero(mask & prev) / max(ones, 1.0)
         return metrics
 
     def _first_mask(self, stat: torch.Tensor, density: float) -> torch.Tensor:
@@ -150,7 +162,7 @@ class ScapeStrategy(OptimizerStrategy):
         full = self.engine.full_state()
         state: dict[str, Any] = {
             "version": STATE_VERSION, "mode": self.engine.mode, "step": self.steps_done,
-            "rank": self.comm.rank, "world": self.comm.world,
+            "rank": self.comm.rank, "world": self.comm.world, "partitioner": self.cfg.partitioner,
             "momentum": self._split(full["momentum"]),
             "residual": self._split(full["residual"]),
             "mask_cur": self._split_mask(self.mask_cur),
@@ -178,3 +190,8 @@ class ScapeStrategy(OptimizerStrategy):
         self.mask_cur = self._join_mask(state.get("mask_cur"))
         nxt = self._join_mask(state.get("mask_next"))
         self._pending = None if nxt is None else PendingMask.ready(nxt, self.exchange)
+        # A mask built under another partition (world size, partitioner) has other per-segment
+        # counts than the schedule gives here: read them once, now, not in the step.
+        same = state["world"] == self.comm.world and state.get("partitioner",
+                                                                 self.cfg.partitioner) == self.cfg.partitioner
+        self._loaded_counts = None if nxt is None or same else measured_counts(nxt, self.part)

@@ -123,14 +123,16 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
     return flat.view(int_dtype)
 
 
-def _block_starts(mask_flat: torch.Tensor, n: int, packed: bool) -> tuple[torch.Tensor, int]:
-    """Exclusive prefix sum of per-block popcounts, and the total popcount (one host sync)."""
+def _block_starts(mask_flat: torch.Tensor, n: int, packed: bool, known: int | None = None
+                  ) -> tuple[torch.Tensor, int]:
+    """Exclusive prefix sum of per-block popcounts, and the total popcount: ``known`` when the
+    caller knows it (no host sync), else read back (one host sync)."""
     nblocks = triton.cdiv(n, BLOCK)
     counts = torch.empty(nblocks, dtype=torch.int64, device=mask_flat.device)
     _count_kernel[(nblocks,)](mask_flat, counts, n, PACKED=packed, BLOCK=BLOCK,
                               num_warps=NUM_WARPS)
     ends = torch.cumsum(counts, dim=0)
-    return ends - counts, int(ends[-1])
+    return ends - counts, (int(ends[-1]) if known is None else known)
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -163,11 +165,12 @@ def popcount_packed(packed: torch.Tensor) -> int:
     return _block_starts(packed.contiguous(), n, packed=True)[1]
 
 
-def _gather(values: torch.Tensor, mask_flat: torch.Tensor, packed: bool) -> torch.Tensor:
+def _gather(values: torch.Tensor, mask_flat: torch.Tensor, packed: bool,
+            count: int | None = None) -> torch.Tensor:
     n = values.numel()
     if n == 0:
         return values.new_empty(0)
-    starts, total = _block_starts(mask_flat, n, packed)
+    starts, total = _block_starts(mask_flat, n, packed, count)
     src = _as_int(values)
     out = torch.empty(total, dtype=src.dtype, device=values.device)
     if total:
@@ -177,12 +180,12 @@ def _gather(values: torch.Tensor, mask_flat: torch.Tensor, packed: bool) -> torc
 
 
 def _scatter(payload: torch.Tensor, mask_flat: torch.Tensor, out: torch.Tensor,
-             packed: bool) -> torch.Tensor:
+             packed: bool, count: int | None = None) -> torch.Tensor:
     n = out.numel()
     if n == 0:
         check_payload_count(payload.numel(), 0)
         return out
-    starts, total = _block_starts(mask_flat, n, packed)
+    starts, total = _block_starts(mask_flat, n, packed, count)
     check_payload_count(payload.numel(), total)
     if total == 0:
         return out
@@ -196,16 +199,18 @@ def _scatter(payload: torch.Tensor, mask_flat: torch.Tensor, out: torch.Tensor,
     return out
 
 
-def gather_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return _gather(values, _as_bytes(mask), packed=False)
+def gather_masked(values: torch.Tensor, mask: torch.Tensor, count: int | None = None
+                  ) -> torch.Tensor:
+    return _gather(values, _as_bytes(mask), packed=False, count=count)
 
 
 def gather_masked_packed(values: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return _gather(values, packed.contiguous(), packed=True)
 
 
-def scatter_masked(payload: torch.Tensor, mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return _scatter(payload, _as_bytes(mask), out, packed=False)
+def scatter_masked(payload: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
+                   count: int | None = None) -> torch.Tensor:
+    return _scatter(payload, _as_bytes(mask), out, packed=False, count=count)
 
 
 def scatter_masked_packed(payload: torch.Tensor, packed: torch.Tensor, out: torch.Tensor

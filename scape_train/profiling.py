@@ -1,0 +1,117 @@
+"""Counting what a step asks of the device: host syncs and kernel launches, on any backend.
+
+A host sync is an operation whose result the host must wait for: reading a value (``.item()``,
+``float(t)``, ``.tolist()``, ``if t:``) or an op whose *output size* depends on the data
+(``nonzero``, ``masked_select``, boolean indexing, ``unique``...), which on CUDA reads the size
+back before it can allocate. On the CPU none of these stall anything, which is why they go
+unnoticed until the first GPU run; counted at the dispatcher, they are visible on the CPU too, and
+a test can hold a step to a budget that NCCL training needs (see ``tests/test_nccl_rules.py``).
+
+A kernel launch is counted as one dispatched ATen operator that computes (views, aliases and
+allocations are free); on CUDA each is at least one kernel, so the count compares code paths
+honestly even where it is not the exact kernel count.
+
+    with DeviceOpCounter() as ops:
+        strategy.step(lr)
+    ops.host_syncs, ops.launches, ops.sync_sites   # counts, and which ops synced (name: count)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# Ops that always make the host wait: reading a value, or an output size that depends on data.
+_SYNC_OPS = {
+    aten._local_scalar_dense.default,          # .item(), float(t), int(t), bool(t)
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.unique_dim.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+}
+# Ops that sync only with some arguments: a boolean index (``x[mask]``, ``x[mask] = v``).
+_BOOL_INDEX_OPS = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default}
+# Host reads that never reach the dispatcher (they read the storage directly).
+_SYNC_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy}
+
+# Ops that compute nothing: no kernel.
+_FREE_OPS = {
+    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+    aten.lift_fresh.default, aten.detach.default, aten.alias.default,
+    aten._local_scalar_dense.default,
+}
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()))
+
+
+def _is_d2h_copy(func, args, kwargs) -> bool:
+    """A copy from a device to the host (``.cpu()``, ``.to('cpu')``) waits for the device."""
+    if func is aten._to_copy.default:
+        dst = kwargs.get("device")
+        return (dst is not None and torch.device(dst).type == "cpu"
+                and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu")
+    if func is aten.copy_.default:
+        return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+    return False
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, owner: "DeviceOpCounter"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        o = self.owner
+        if (func in _SYNC_OPS or (func in _BOOL_INDEX_OPS and _has_bool_index(args))
+                or _is_d2h_copy(func, args, kwargs)):
+            o.sync_sites[str(func.overloadpacket.__name__)] += 1
+        if func not in _FREE_OPS and not func.is_view and func.namespace == "aten":
+            o.launches += 1
+            o.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **kwargs)
+
+
+class _Function(TorchFunctionMode):
+    def __init__(self, owner: "DeviceOpCounter"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SYNC_METHODS:
+            self.owner.sync_sites[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class DeviceOpCounter:
+    """Context manager counting host syncs and launches of the code run inside it."""
+
+    def __init__(self):
+        self.sync_sites: Counter = Counter()
+        self.ops: Counter = Counter()
+        self.launches = 0
+
+    @property
+    def host_syncs(self) -> int:
+        return sum(self.sync_sites.values())
+
+    def __enter__(self) -> "DeviceOpCounter":
+        self._modes = [_Function(self), _Dispatch(self)]
+        for m in self._modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
