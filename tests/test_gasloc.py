@@ -180,7 +180,7 @@ def _gather(t: torch.Tensor, world: int) -> list[torch.Tensor]:
 def _complete_graph_worker(rank, world):
     """DiLoCo and complete-graph GASLoC from the same start, 4 rounds of H = 3 real AdamW steps,
     with the same data on every rank and with each rank's own data: every tensor after every
-    round, and the bytes each round counted."""
+    round, the bytes each round counted, and (own data) a run resumed mid-round."""
     base = dict(topology="complete", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
     result = {}
     for data in ("same", "own"):
@@ -194,6 +194,16 @@ def _complete_graph_worker(rank, world):
                 stats.append(strategy.comm.pop_stats())
                 rounds.append([p.detach().clone() for p in model.parameters()])
             result[data, name] = {"rounds": rounds, "stats": stats}
+            if data == "own":   # exact resume mid-round: 7 steps, state into fresh objects, 5 more
+                first, m1 = _make(StrategyConfig(name=name, **base))
+                _steps(first, m1, 1, 7, data_rank)
+                buf = io.BytesIO()
+                torch.save(first.state_dict(), buf)
+                buf.seek(0)
+                second, m2 = _make(StrategyConfig(name=name, **base), seed=123)
+                second.load_state_dict(torch.load(buf, weights_only=True))
+                _steps(second, m2, 8, 12, data_rank)
+                result[data, name]["resumed"] = [p.detach().clone() for p in m2.parameters()]
     # the ablation (mix y, momentum after) is not DiLoCo: it keeps the point-to-point mix
     strategy, model = _make(StrategyConfig(name="gasloc", mix_momentum=False, **base))
     strategy.comm.pop_stats()
@@ -241,6 +251,10 @@ def test_complete_graph_gasloc_is_diloco_bit_for_bit(n):
         ablation = res[rank]["ablation_stats"]                # point-to-point with n - 1 peers
         assert _sent_kinds(ablation) == {"gossip"}
         assert ablation["comm/gossip_sent_bytes"] == (n - 1) * nbytes
+    for rank in range(n):   # resumed after step 7 == straight through 12 steps (= 4 rounds)
+        for name in ("diloco", "gasloc"):
+            run = res[rank]["own", name]
+            assert all(torch.equal(a, b) for a, b in zip(run["resumed"], run["rounds"][-1]))
     own = [res[r]["own", "diloco"]["rounds"][0][0] for r in range(n)]
     same = [res[r]["same", "diloco"]["rounds"][0][0] for r in range(n)]
     assert not torch.equal(own[0], same[0])       # the per-rank data did change the average
