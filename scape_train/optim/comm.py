@@ -1,10 +1,12 @@
 """Every collective the optimizers issue passes through here.
 
 Bytes are counted per step and per *kind* (``grad``, ``payload``, ``mask``, ``params``,
-``gossip``...) as the bytes one rank sends and receives under the algorithm the backend uses for
-that collective (ring all-reduce / all-gather / reduce-scatter, point-to-point exact), so that
-communication volume is a logged figure, not an estimate. Time spent blocked in ``wait()`` is
-counted too: that is the communication the step could not hide.
+``gossip``...) as the bytes one rank sends and receives under the ring algorithms (all-reduce /
+all-gather / reduce-scatter; point-to-point exact), so that communication volume is a logged
+figure, not an estimate. The ring figures are the per-rank average, floor-divided: when n does not
+divide a tensor's size one rank's real share can differ from it by a few elements, and a backend
+that picks another algorithm for a collective (NCCL may use a tree) moves other amounts. Time
+spent blocked in ``wait()`` is counted too: that is the communication the step could not hide.
 
 Without an initialized process group (or with a world of one) every operation is a local no-op
 with the correct result, so the same optimizer code runs as one process.

@@ -5,11 +5,21 @@ Spec (/work/shared/spec/gasloc.md), for worker i in round t:
     g   = theta - theta0                     local drift (zero for a worker with H_i = 0)
     y   = theta0 + eta * g
     x   = y + gamma * (y - y_prev);  y_prev <- y
-    theta <- sum_j W_t[i, j] x_j             point-to-point with the peers of W_t, never a collective
+    theta <- sum_j W_t[i, j] x_j             point-to-point with the peers of W_t (but see below)
 
 ``mix_momentum=False`` (ablation) mixes ``y`` and adds ``gamma * (y - y_prev)`` afterwards. The
-mixed sum runs over j in ascending rank order on every worker, so on the complete graph all
-replicas receive bit-identical parameters and the result equals DiLoCo's (see ``outer.py``).
+mixed sum runs over j in ascending rank order on every worker.
+
+The complete graph (``W = 11^T / n``, with ``mix_momentum``) is DiLoCo: there the round is
+DiLoCo's own code, ``OuterAlgorithm.all_reduce_round`` (the drift all-reduced and divided by n,
+counted as kind ``gossip``), so the parameters equal DiLoCo's bit for bit for every n and any
+data, not only algebraically (see ``outer.py`` for why mixing ``x`` would not). It is the same
+update as the spec's: ``theta = mean_j x_j = (1 + gamma) mean_j y_j - gamma mean_j y_prev_j``
+depends on ``y_prev`` only through its mean, and this path keeps ``y_prev`` = that mean, the same
+on every worker (the spec's local ``y_prev_i`` differ when the workers' data differ). It is the
+one GASLoC round that runs a collective: on the complete graph every worker is every worker's
+peer, and a ring all-reduce of the drift sends ``2 (n - 1) / n`` models per worker where a
+point-to-point mix would send ``n - 1``.
 """
 
 from __future__ import annotations
@@ -68,6 +78,9 @@ class GASLoC(OuterAlgorithm):
         return mixed, len(nbrs)
 
     def round(self, t: int) -> dict[str, float]:
+        if self.topology == "complete" and self.mix_momentum:   # DiLoCo, bit for bit
+            drift = self.all_reduce_round(kind="gossip")
+            return {"outer/drift_norm": drift, "outer/peers": float(self.comm.world - 1)}
         with torch.no_grad():
             send, momentum, drift = self._local_points()
             mixed, n_peers = self.mix(send, t)

@@ -6,10 +6,14 @@ outer point ``y_prev``, and both write the outer step in the "y form" of the spe
     y = theta0 - eta * delta              delta = theta0 - theta (drift, negated): y = theta0 + eta g
     x = y + gamma * (y - y_prev)          Nesterov extrapolation; y_prev <- y
 
-DiLoCo averages ``delta`` over workers first (all-reduce), GASLoC mixes ``x`` afterwards (gossip).
-Both go through the two functions below, so that with identical replicas the complete-graph
-GASLoC performs the very same floating-point operations as DiLoCo (bit-for-bit equal results),
-not merely algebraically equal ones.
+DiLoCo averages ``delta`` over workers first (all-reduce), GASLoC on a sparse graph mixes ``x``
+afterwards (gossip). On the complete graph GASLoC's mix ``sum_j x_j * (1/n)`` equals DiLoCo's
+update only algebraically: 1/n is not exact in binary for n = 3, 5, 6, 7, ...; with different data
+per worker it averages after the outer step what DiLoCo averages before it; and the backend's
+all-reduce sums in an order of its own (gloo's sum at n = 3 and 4 is not the ascending-rank sum).
+So there GASLoC runs DiLoCo's round itself, ``all_reduce_round`` below (the same all-reduce of the
+drift, the same division by n, the same two functions after it): bit-for-bit DiLoCo's parameters
+for every n, with the same data on every worker or each its own.
 """
 
 from __future__ import annotations
@@ -105,3 +109,29 @@ class OuterAlgorithm(abc.ABC):
                 p.copy_(view)
                 anchor.copy_(view)   # blocking: a host copy is read (snapshots) at once
                 offset += p.numel()
+
+    def all_reduce_round(self, kind: str) -> float:
+        """DiLoCo's round: ``delta = all_reduce_avg(theta0 - theta)`` (``Comm`` kind ``kind``), then
+        ``y = theta0 - eta * delta``, ``theta = y + gamma * (y - y_prev)``, ``y_prev <- y``, the same
+        on every worker. Returns this worker's drift norm ``||theta0 - theta||`` before the average.
+        """
+        st, dev = self.state, self.params[0].device
+        delta = self.flat_like()
+        offset = 0
+        with torch.no_grad():
+            for p, anchor in zip(self.params, st.anchor):
+                delta[offset:offset + p.numel()].view_as(p).copy_(st.on(anchor, dev) - p)
+                offset += p.numel()
+            drift = float(torch.linalg.vector_norm(delta))
+            self.comm.all_reduce(delta, kind=kind, average=True)
+            out = delta  # overwritten piecewise with the new parameters below
+            offset = 0
+            for p, anchor, y_prev in zip(self.params, st.anchor, st.y_prev):
+                d = delta[offset:offset + p.numel()].view_as(p)
+                y = outer_point(st.on(anchor, dev), d, self.eta)
+                x = extrapolate(y, st.on(y_prev, dev), self.gamma)
+                y_prev.copy_(y)
+                out[offset:offset + p.numel()].view_as(p).copy_(x)
+                offset += p.numel()
+            self.set_params(out)
+        return drift

@@ -3,7 +3,7 @@
 Every worker builds the same ``W_t`` without talking: the random permutation ``pi_t`` comes from
 an RNG seeded by ``(seed, t)`` alone (numpy's SeedSequence, so it is the same on every platform).
 
-    complete  W = 11^T / n                        (GASLoC on it is exactly DiLoCo)
+    complete  W = 11^T / n                        (GASLoC on it runs DiLoCo's round: gasloc.py)
     1peer     disjoint pairs (pi(0),pi(1)), (pi(2),pi(3)), ... with weights 1/2; with odd n the
               leftover worker keeps itself (weight 1) that round
     2peer     the random ring pi(0) -> pi(1) -> ... -> pi(n-1) -> pi(0), weights 1/3 for self,

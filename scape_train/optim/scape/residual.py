@@ -5,7 +5,8 @@ Both engines fold their residual the same way, in ONE pass over it:
     w ← w + e_{t-1};   e_t ← (1 - M_t) ⊙ w        (w = β1·m + (1-β1)·g, or (1-β1)·g when sharded)
 
 The work is elementwise, so running it chunk by chunk through :class:`HostBuffer` (offload) gives
-bit-identical results to running it on the whole device tensor.
+bit-identical ``w`` and ``e`` to running it on the whole device tensor. The returned ``||e||²``
+(a metric) is summed chunk by chunk, so it agrees with the whole-tensor figure only to rounding.
 """
 
 from __future__ import annotations
