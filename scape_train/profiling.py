@@ -18,6 +18,7 @@ honestly even where it is not the exact kernel count.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import torch
@@ -50,6 +51,18 @@ _FREE_OPS = {
 }
 
 
+def _in_torch_optim() -> bool:
+    """torch's own optimizers keep ``state['step']`` as a host tensor (unless capturable or
+    fused) and read it with ``.item()``: a host read, not a device sync, though on the CPU the two
+    look alike. Such reads are counted apart, as ``host_scalar_reads``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "/torch/optim/" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _has_bool_index(args) -> bool:
     indices = args[1] if len(args) > 1 else ()
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()))
@@ -76,7 +89,10 @@ class _Dispatch(TorchDispatchMode):
         o = self.owner
         if (func in _SYNC_OPS or (func in _BOOL_INDEX_OPS and _has_bool_index(args))
                 or _is_d2h_copy(func, args, kwargs)):
-            o.sync_sites[str(func.overloadpacket.__name__)] += 1
+            if func is aten._local_scalar_dense.default and _in_torch_optim():
+                o.host_scalar_reads += 1
+            else:
+                o.sync_sites[str(func.overloadpacket.__name__)] += 1
         if func not in _FREE_OPS and not func.is_view and func.namespace == "aten":
             o.launches += 1
             o.ops[str(func.overloadpacket.__name__)] += 1
@@ -101,6 +117,7 @@ class DeviceOpCounter:
         self.sync_sites: Counter = Counter()
         self.ops: Counter = Counter()
         self.launches = 0
+        self.host_scalar_reads = 0
 
     @property
     def host_syncs(self) -> int:

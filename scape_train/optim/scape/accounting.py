@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
-from ..density import segment_k
 from .kernels import packed_numel
+from .masks import mask_counts
 from .partition import ParamLayout, PartitionMap, build_partition
 
 FP32_BYTES = 4
@@ -53,13 +53,7 @@ class StepBytes:
 
 def owner_popcounts(layout: ParamLayout, part: PartitionMap, density: float) -> list[int]:
     """Ones of the mask in each owner's range: ``k`` per segment, all of an excluded one."""
-    counts = []
-    for segs in part.segments:
-        n = 0
-        for seg in segs:
-            n += seg.numel if layout.excluded[seg.tensor] else segment_k(seg.numel, density)
-        counts.append(n)
-    return counts
+    return [sum(c) for c in mask_counts(part, layout, density)]
 
 
 def mask_shard_bytes(part: PartitionMap) -> int:

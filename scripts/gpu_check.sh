@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The one prepared GPU check (see scripts/gpu_check.py for what each check measures).
+#   bash scripts/gpu_check.sh            on a GPU machine: installs the wheels carried in .whl/
+#                                        (scripts/gpu_wheels.sh makes them), then runs every check
+#   bash scripts/gpu_check.sh --dry-run  lists the checks, runs nothing (any machine, CI)
+# Figures: $OUT (device machine) or docs/: gpu.md, gpu_check.json, traces.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if [[ "${1:-}" == "--dry-run" ]]; then
+  exec "$PY" scripts/gpu_check.py --dry-run "${@:2}"
+fi
+if compgen -G ".whl/*.whl" > /dev/null; then
+  # the device image lacks the project's config stack (hydra, omegaconf): carried as wheels
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/scape_site .whl/*.whl
+  export PYTHONPATH="/tmp/scape_site:${PYTHONPATH:-}"
+fi
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
+exec timeout 470 "$PY" scripts/gpu_check.py "$@"

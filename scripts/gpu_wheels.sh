@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Wheels the device machine's image lacks, into .whl/ (git-ignored), for scripts/gpu_check.sh:
+# the config stack at the versions constraints.txt pins. Pure-Python, so one build serves.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-.venv/bin/python}"
+pin() { grep -i "^$1==" constraints.txt | head -1; }
+mkdir -p .whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl "$(pin hydra-core)" "$(pin omegaconf)"
+"$PY" -m pip wheel -q --no-deps -w .whl "$(pin antlr4-python3-runtime)"   # sdist only on PyPI
+ls -1 .whl

@@ -1,0 +1,130 @@
+"""NCCL's rules, enforced on the CPU: what would stop or serialize a GPU run fails here first.
+
+- every collective of the package goes through ``optim/comm.py`` (the guard the suite runs under)
+  and ``Comm`` refuses a tensor that is not on its group's device (NCCL refuses host tensors);
+- the step timer never synchronizes the device inside a step (that would wait for SCAPE's
+  overlapped mask all-gather and stop the host from running ahead);
+- SCAPE's step and the dense step read nothing back from the device: their host-sync count, as
+  counted at the dispatcher (``scape_train.profiling``), is zero after the first step, and the
+  trainer's whole step makes exactly one (the loss / non-finite / stop agreement).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import scape_train.checkpoint as checkpoint_module
+from scape_train import metrics as metrics_module
+from scape_train.optim.comm import Comm, CollectiveOutsideCommError
+from scape_train.optim.config import OptimizerConfig
+from scape_train.profiling import DeviceOpCounter
+
+from ._dist import run_distributed
+from ._optim_common import batch, loss_fn, make
+
+
+def _guard_worker(rank, world):
+    t = torch.ones(3)
+    # package code calling torch.distributed directly, as checkpoint.py and distributed.py did
+    snippet = compile("dist.all_reduce(t)", checkpoint_module.__file__, "exec")
+    with pytest.raises(CollectiveOutsideCommError, match="outside optim/comm.py"):
+        exec(snippet, {"dist": dist, "t": t})
+    Comm().all_reduce(t, kind="x", average=False)       # through Comm: allowed
+    with pytest.raises(ValueError, match="NCCL refuses host tensors"):
+        Comm(device=torch.device("meta")).all_reduce(torch.ones(2), kind="x")
+    return t.tolist()
+
+
+def test_collectives_only_through_comm_on_its_device():
+    assert run_distributed(_guard_worker, 2) == [[2.0, 2.0, 2.0]] * 2
+
+
+class _FakeEvent:
+    created = 0
+
+    def __init__(self, enable_timing=False):
+        _FakeEvent.created += 1
+        self.t = None
+
+    def record(self, stream=None):
+        import time
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_step_timer_never_synchronizes_inside_a_step(monkeypatch):
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    timer = metrics_module.StepTimer(torch.device("cuda", 0))
+    for _ in range(5):
+        for name in ("data", "fwd_bwd", "optimizer"):
+            with timer.phase(name):
+                pass
+    assert syncs == [], "a device-wide synchronize inside the step's phases"
+    assert _FakeEvent.created == 30
+    totals = timer.pop()               # events are read here, once per log window
+    assert set(totals) == {"data", "fwd_bwd", "optimizer"} and all(v >= 0 for v in totals.values())
+
+
+def _step_sync_worker(rank, world, cfg_kw, steps):
+    strategy, wrapped, _ = make(OptimizerConfig(**cfg_kw), width=64)
+    counts = []
+    for t in range(1, steps + 1):
+        x, y = batch(t, rank)
+        loss_fn(wrapped, x, y).backward()
+        with DeviceOpCounter() as ops:
+            strategy.step(1e-3)
+        strategy.zero_grad()
+        counts.append(dict(ops.sync_sites))
+    strategy.close()
+    return counts
+
+
+SCAPE = dict(name="scape", density=0.1, density_warmup_steps=3, clip_grad=0.5)
+
+
+@pytest.mark.parametrize("cfg_kw", [
+    SCAPE,
+    {**SCAPE, "sharded": True, "partitioner": "flat"},
+    {**SCAPE, "sharded": True, "partitioner": "tensor"},
+    dict(name="adams", clip_grad=0.5),
+    dict(name="adamw", clip_grad=0.5),
+], ids=["scape-replicated", "scape-sharded-flat", "scape-sharded-tensor", "adams", "adamw"])
+def test_optimizer_step_reads_nothing_back_from_the_device(cfg_kw):
+    """Budget: 0 host syncs per step from step 2 on (step 1 builds M_1 synchronously)."""
+    for rank_counts in run_distributed(_step_sync_worker, 3, (cfg_kw, 5)):
+        assert rank_counts[1:] == [{}] * 4, rank_counts
+
+
+@pytest.mark.parametrize("extra", [["optimizer=scape", "optimizer.density=0.1",
+                                    "optimizer.density_warmup_steps=2"], ["optimizer=adamw"]],
+                         ids=["scape", "adamw"])
+def test_trainer_step_makes_one_host_sync(tmp_path, extra):
+    """The loss agreement is the step's one read; metrics are read at log steps only."""
+    from scape_train.metrics import StepTimer
+    from scape_train.train import Trainer, _StopSignal
+
+    from .helpers import SMALL, compose_config
+
+    cfg = compose_config(SMALL + [f"run_dir={tmp_path}", f"data.tokenizer.cache_dir={tmp_path}/tok",
+                                  "trainer.max_steps=6", *extra])
+    trainer = Trainer(cfg)
+    timer, stop = StepTimer(trainer.info.device), _StopSignal()
+    try:
+        per_step = []
+        for _ in range(4):
+            with DeviceOpCounter() as ops:
+                trainer.train_step(timer, stop)
+            per_step.append(dict(ops.sync_sites))
+    finally:
+        trainer.train_loader.close()
+        trainer.strategy.close()
+    assert per_step[1:] == [{"tolist": 1}] * 3, per_step
