@@ -74,6 +74,8 @@ class ShardedScape:
         assert x is not None, "prepare() first"
         beta1, beta2 = cfg.betas
         world, rank = comm.world, comm.rank
+        if self.record:
+            self.last = {"x": x.clone()}
         counts = [sum(c) for c in seg_counts]
         width = max(1, max(counts))
         # Payload: this rank's x at every mask position, in flat order = owner order; pad each
@@ -192,6 +194,8 @@ class ShardedScape:
                                          count=k_own)))
             shard[:k_own] = delta
         applied = all_gather_rows(shard, self.comm, self.codec, kind="params")
+        if self.record:
+            self.last["update_target"] = shard[:k_own].clone()
         if k_own:
             scatter_masked(shard[:k_own].sub_(applied[rank, :k_own]), own_mask,
                            self.update_residual, backend=self.backend, count=k_own)
