@@ -74,7 +74,8 @@ def compute(worlds: list[int]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     out = ["| model (params) | n | state / owners | sparsity | payload | mask coding | payload MB "
-           "| mask MB | params+norm MB | total MB | dense fp32 MB | vs dense fp32 | vs dense bf16 |",
+           "| mask MB | params+norm MB | total MB | dense fp32 MB | vs dense fp32 "
+           "| vs dense bf16 |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['model']} ({r['n_params'] / 1e6:.1f}M) | {r['world']} | {r['mode']} | "

@@ -2,7 +2,7 @@
 
 Bytes are counted per step and per *kind* (``grad``, ``payload``, ``mask``, ``params``,
 ``gossip``...) as the bytes one rank sends and receives under the ring algorithms (all-reduce /
-all-gather / reduce-scatter; point-to-point exact), so that communication volume is a logged
+all-gather / reduce-scatter; all-to-all and point-to-point exact), so that communication volume is a logged
 figure, not an estimate. The ring figures are the per-rank average, floor-divided: when n does not
 divide a tensor's size one rank's real share can differ from it by a few elements, and a backend
 that picks another algorithm for a collective (NCCL may use a tree) moves other amounts. Time
