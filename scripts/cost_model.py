@@ -83,7 +83,10 @@ def project(mfu: float) -> list[dict]:
                 t_dense = ring_time(dense_b, 2 * (n - 1), bps)
                 dense_step = compute + max(0.0, t_dense - BWD_FRACTION * compute) + opt_dense
                 for d in DENSITIES:
-                    b = scape_step_bytes(layout, n, d, partitioner="flat", sharded=sharded)
+                    # the wire format bench_speed measured (before issue 12's coded masks and
+                    # low-precision payloads; docs/benchmarks.md §3 has their bytes)
+                    b = scape_step_bytes(layout, n, d, partitioner="flat", sharded=sharded,
+                                         mask_coding="bitmap", payload_dtype="fp32")
                     exposed = ring_time(b.payload + b.norm, 2 * (n - 1), bps)
                     exposed += ring_time(b.params, n - 1, bps) if b.params else 0.0
                     mask_over = max(0.0, ring_time(b.mask, n - 1, bps) - compute)
@@ -137,7 +140,7 @@ def calibration(docs: Path) -> str | None:
             pred = comp + nbytes * 8 / rate
             what = f"{nbytes / 1e6:.2f}"
         else:
-            b = scape_step_bytes(layout, 4, density)
+            b = scape_step_bytes(layout, 4, density, mask_coding="bitmap")   # as measured
             unl = summ.get(f"none/{opt}", {}).get("step", {}).get("median") or comp
             fwd_bwd = summ.get(f"none/{opt}", {}).get("fwd_bwd", {}).get("median") or 0.0
             pred = unl + b.payload * 8 / rate + max(0.0, b.mask * 8 / rate - fwd_bwd)

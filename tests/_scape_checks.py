@@ -38,7 +38,10 @@ def record_run(strategy, wrapped, rank: int, steps: int, lr: float = 1e-2) -> di
                 segments=strategy.part.segments, ranges=strategy.part.ranges,
                 excluded=list(lay.excluded), density=[strategy.density(t) for t in
                                                       range(steps + 2)],
-                betas=tuple(strategy.cfg.betas), shard_bytes=strategy.exchange.shard_bytes)
+                betas=tuple(strategy.cfg.betas),
+                # bytes each rank sends into the all-gather of a mask built at d_t, by t
+                shard_bytes=[strategy.exchange.shard_bytes_at(strategy.density(t))
+                             for t in range(steps + 2)])
 
 
 def check_invariants(results: list[dict], clip_active: bool) -> None:
@@ -92,6 +95,7 @@ def check_invariants(results: list[dict], clip_active: bool) -> None:
         if n > 1:
             st = r0["stats"]
             assert st["comm/payload_sent_bytes"] == ring_all_reduce_bytes(ones * 4, n)
-            gathers = 2 if t == 0 and info["density"][1] < 1 else 1   # + M_1, built synchronously
-            assert st["comm/mask_sent_bytes"] == gathers * ring_all_gather_bytes(
-                info["shard_bytes"], n)
+            # M_{t+1}, and at step 1 also M_1 (built synchronously)
+            shard = info["shard_bytes"][t + 2] + (info["shard_bytes"][1] if t == 0 and
+                                                  info["density"][1] < 1 else 0)
+            assert st.get("comm/mask_sent_bytes", 0) == ring_all_gather_bytes(shard, n)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scape_train.optim.comm import (Comm, ring_all_gather_bytes, ring_all_reduce_bytes,
-                                    ring_reduce_scatter_bytes)
+from scape_train.optim.comm import (Comm, all_to_all_bytes, ring_all_gather_bytes,
+                                    ring_all_reduce_bytes, ring_reduce_scatter_bytes)
 
 from ._dist import run_distributed
 
@@ -37,6 +37,10 @@ def _comm_worker(rank, world):
     recv = torch.empty(2)
     comm.exchange([(send, (rank + 1) % world)], [(recv, (rank - 1) % world)], kind="gossip")
     out["recv"] = recv
+    a2a_in = torch.arange(2 * world, dtype=torch.int64) + 100 * rank
+    a2a_out = torch.empty_like(a2a_in)
+    comm.all_to_all(a2a_out, a2a_in, kind="a2a")
+    out["a2a"] = a2a_out
     out["stats"] = comm.pop_stats()
     out["after_pop"] = comm.pop_stats()
     return out
@@ -60,6 +64,9 @@ def test_collectives_and_byte_counts_three_ranks():
         params = ring_reduce_scatter_bytes(4 * 2 * world, world) + (16 if rank == 1 else 0)
         assert st["comm/params_sent_bytes"] == params
         assert st["comm/gossip_sent_bytes"] == 8 and st["comm/gossip_recv_bytes"] == 8
+        # all-to-all: chunk i of the output is rank i's chunk ``rank``; own chunk not sent
+        assert r["a2a"].tolist() == [100 * i + 2 * rank + j for i in range(world) for j in (0, 1)]
+        assert st["comm/a2a_sent_bytes"] == all_to_all_bytes(16 * world, world) == 16 * (world - 1)
         assert st["comm/sent_bytes"] == sum(v for k, v in st.items()
                                             if k.endswith("_sent_bytes") and k != "comm/sent_bytes")
         assert r["after_pop"]["comm/sent_bytes"] == 0

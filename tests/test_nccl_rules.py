@@ -95,9 +95,13 @@ SCAPE = dict(name="scape", density=0.1, density_warmup_steps=3, clip_grad=0.5)
     SCAPE,
     {**SCAPE, "sharded": True, "partitioner": "flat"},
     {**SCAPE, "sharded": True, "partitioner": "tensor"},
+    {**SCAPE, "payload_dtype": "fp8_e4m3", "mask_coding": "elias_fano"},
+    {**SCAPE, "sharded": True, "partitioner": "flat", "payload_dtype": "bf16",
+     "mask_coding": "indices"},
     dict(name="adams", clip_grad=0.5),
     dict(name="adamw", clip_grad=0.5),
-], ids=["scape-replicated", "scape-sharded-flat", "scape-sharded-tensor", "adams", "adamw"])
+], ids=["scape-replicated", "scape-sharded-flat", "scape-sharded-tensor", "scape-fp8-ef",
+        "scape-sharded-bf16-indices", "adams", "adamw"])
 def test_optimizer_step_reads_nothing_back_from_the_device(cfg_kw):
     """Budget: 0 host syncs per step from step 2 on (step 1 builds M_1 synchronously)."""
     for rank_counts in run_distributed(_step_sync_worker, 3, (cfg_kw, 5)):

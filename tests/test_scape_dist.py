@@ -99,8 +99,11 @@ def _sharded_worker(rank, world):
                 mask_sh=mask.clone(), next_rep=rep.next_mask().clone(),
                 next_sh=sh.next_mask().clone(), m_rep=rep_full["momentum"], m_sh=full["momentum"],
                 e_rep=rep_full["residual"], e_sh=full["residual"] + full["shared_residual"],
-                stats=stats, width=width, d1=sh.density(1)))
-        out[partitioner] = dict(steps=steps, shard_bytes=sh.exchange.shard_bytes)
+                stats=stats, width=width,
+                mask_shard=sh.exchange.shard_bytes_at(sh.density(t + 1))
+                + (sh.exchange.shard_bytes_at(sh.density(1)) if t == 1 and sh.density(1) < 1
+                   else 0)))
+        out[partitioner] = dict(steps=steps)
     return out
 
 
@@ -122,9 +125,8 @@ def test_sharded_equals_replicated(world):
                                                                                   world)
                 assert st["comm/params_sent_bytes"] == ring_all_gather_bytes(w * 4, world)
                 assert st["comm/norm_sent_bytes"] == ring_all_reduce_bytes(4, world)
-                gathers = 2 if t == 0 and s["d1"] < 1 else 1
-                assert st["comm/mask_sent_bytes"] == gathers * ring_all_gather_bytes(
-                    res[partitioner]["shard_bytes"], world)
+                assert st.get("comm/mask_sent_bytes", 0) == ring_all_gather_bytes(
+                    s["mask_shard"], world)
 
 
 # -- bytes at 99% sparsity vs the dense all-reduce ------------------------------------------------

@@ -18,7 +18,9 @@ from .base import OptimizerStrategy
 from .comm import Comm
 from .config import OptimizerConfig
 from .density import SCHEDULES
+from .scape.mask_coding import MASK_CODINGS
 from .scape.partition import PARTITIONERS
+from .scape.payload import PAYLOAD_DTYPES
 
 
 def _adamw(cfg, model, comm):
@@ -82,6 +84,12 @@ def validate(cfg: OptimizerConfig) -> None:
          f"offload_chunk_numel must be > 0, got {cfg.offload_chunk_numel}")
     need(cfg.use_triton in ("auto", "on", "off"),
          f"use_triton must be auto, on or off, got {cfg.use_triton!r}")
+    need(cfg.mask_coding in MASK_CODINGS,
+         f"mask_coding must be one of {list(MASK_CODINGS)}, got {cfg.mask_coding!r}")
+    need(cfg.payload_dtype in PAYLOAD_DTYPES,
+         f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {cfg.payload_dtype!r}")
+    need(cfg.payload_dtype == "fp32" or cfg.name == "scape",
+         f"payload_dtype={cfg.payload_dtype} applies only to optimizer scape")
     need(cfg.powersgd_rank >= 1, f"powersgd_rank must be >= 1, got {cfg.powersgd_rank}")
     need(cfg.powersgd_start_iter >= 2,
          f"powersgd_start_iter must be >= 2 (torch's hook needs it with error feedback), "

@@ -2,7 +2,7 @@
 
 Bytes are counted per step and per *kind* (``grad``, ``payload``, ``mask``, ``params``,
 ``gossip``...) as the bytes one rank sends and receives under the ring algorithms (all-reduce /
-all-gather / reduce-scatter; point-to-point exact), so that communication volume is a logged
+all-gather / reduce-scatter; all-to-all and point-to-point exact), so that communication volume is a logged
 figure, not an estimate. The ring figures are the per-rank average, floor-divided: when n does not
 divide a tensor's size one rank's real share can differ from it by a few elements, and a backend
 that picks another algorithm for a collective (NCCL may use a tree) moves other amounts. Time
@@ -106,6 +106,12 @@ def ring_all_gather_bytes(shard_nbytes: int, world: int) -> int:
 
 def ring_reduce_scatter_bytes(total_nbytes: int, world: int) -> int:
     """Bytes one rank sends (and receives) in a ring reduce-scatter of a ``total_nbytes`` input."""
+    return 0 if world <= 1 else ((world - 1) * total_nbytes) // world
+
+
+def all_to_all_bytes(total_nbytes: int, world: int) -> int:
+    """Bytes one rank sends (and receives) in an all-to-all of a ``total_nbytes`` input split into
+    ``world`` equal chunks: every chunk but its own goes to one peer (exact, point-to-point)."""
     return 0 if world <= 1 else ((world - 1) * total_nbytes) // world
 
 
@@ -312,6 +318,24 @@ class Comm:
                                           async_op=async_op)
         finish = (lambda: output.div_(self.world)) if average else None
         return self._run(kind, work, async_op, finish, started)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, kind: str,
+                   async_op: bool = False) -> Handle:
+        """Equal splits: chunk ``j`` of ``input`` goes to rank ``j``; chunk ``i`` of ``output``
+        comes from rank ``i`` (both ``world`` equal chunks along dim 0). No reduction, so any
+        dtype the backend moves works (SCAPE sends uint8 bytes)."""
+        if self.world == 1:
+            output.copy_(input.reshape(output.shape))
+            return Handle(self, kind)
+        self._check(output, input)
+        if input.numel() % self.world or output.numel() != input.numel():
+            raise ValueError(f"all_to_all needs equal chunks: input {input.numel()} elements, "
+                             f"output {output.numel()}, world {self.world}")
+        n = all_to_all_bytes(_nbytes(input), self.world)
+        self.count(kind, n, n)
+        started = self._start_timer()
+        work = dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+        return self._run(kind, work, async_op, started=started)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, kind: str) -> Handle:
         if self.world == 1:

@@ -28,6 +28,8 @@ class OptimizerConfig:
     offload_residuals: bool = False
     offload_chunk_numel: int = 1 << 22
     use_triton: str = "auto"          # auto | on | off
+    mask_coding: str = "auto"         # auto (smallest per segment) | bitmap | indices | elias_fano
+    payload_dtype: str = "fp32"       # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 (error feedback)
     # PowerSGD baseline
     powersgd_rank: int = 4
     powersgd_start_iter: int = 10

@@ -1,7 +1,8 @@
 """Mask building (top-k per owned segment) and the packed-bit all-gather of the next mask.
 
 Each owner selects ``k = max(1, floor(d·numel))`` entries of ``|c|`` per segment; excluded tensors
-(biases, norm gains) are all ones. The owners' bits travel packed (1 bit per element) in ONE
+(biases, norm gains) are all ones. The owners' bits travel coded (:mod:`.mask_coding`: packed bits,
+or the sorted indices per segment, whichever is smallest; sizes known to every rank) in ONE
 all-gather, started asynchronously at the end of step t and waited on inside step t+1, so that it
 overlaps the forward and backward passes. Ranks own contiguous flat ranges, so the global mask is
 the concatenation of the owners' pieces: no union fill-in.
@@ -13,7 +14,7 @@ import torch
 
 from ..comm import Comm, Handle
 from ..density import segment_k
-from .kernels import pack_bits, packed_numel, unpack_bits
+from .mask_coding import MaskPlan
 from .partition import ParamLayout, PartitionMap
 
 
@@ -58,15 +59,17 @@ class PendingMask:
     """An in-flight next-mask all-gather; :meth:`wait` returns the full bool mask."""
 
     def __init__(self, handle: Handle | None, gathered: torch.Tensor | None,
-                 exchange: "MaskExchange", ready: torch.Tensor | None = None):
+                 exchange: "MaskExchange", ready: torch.Tensor | None = None,
+                 plan: MaskPlan | None = None):
         self._handle, self._gathered, self._exchange = handle, gathered, exchange
+        self._plan = plan
         self._mask = ready
 
     def wait(self) -> torch.Tensor:
         if self._mask is None:
             assert self._handle is not None and self._gathered is not None
             self._handle.wait()
-            self._mask = self._exchange.assemble(self._gathered)
+            self._mask = self._exchange.assemble(self._gathered, self._plan)
             self._gathered = None
         return self._mask
 
@@ -76,35 +79,58 @@ class PendingMask:
 
 
 class MaskExchange:
-    """Packs an owner's bits, all-gathers every owner's bytes (kind ``mask``), reassembles."""
+    """Codes an owner's bits (:mod:`.mask_coding`), all-gathers every owner's bytes (kind
+    ``mask``), reassembles the full mask.
 
-    def __init__(self, part: PartitionMap, comm: Comm, total: int, backend: str = "auto"):
+    ``coding="bitmap"`` (the packed owner range, spec §4) needs no layout; the other codings are
+    per segment and need ``layout`` and the density the mask was built at (its ``k`` per segment),
+    from which every rank derives the same sizes (:class:`MaskPlan`)."""
+
+    def __init__(self, part: PartitionMap, comm: Comm, total: int, backend: str = "auto", *,
+                 layout: ParamLayout | None = None, coding: str = "bitmap"):
         self.part, self.comm, self.total, self.backend = part, comm, total, backend
+        self.layout, self.coding = layout, coding
         self.lengths = [hi - lo for lo, hi in part.ranges]
-        # Uneven ranges: every rank sends the largest packed length; the padding is counted.
-        self.shard_bytes = max(1, max(packed_numel(n) for n in self.lengths))
+        self._plans: dict[float, MaskPlan] = {}
+        if coding == "bitmap":
+            # Uneven ranges: every rank sends the largest packed length; the padding is counted.
+            self.shard_bytes = self.plan(1.0).shard_bytes
+        elif layout is None:
+            raise ValueError(f"mask_coding={coding!r} needs the parameter layout")
 
-    def start(self, own_bits: torch.Tensor, async_op: bool = True) -> PendingMask:
+    def plan(self, density: float) -> MaskPlan:
+        """The codings of a mask built at ``density`` (cached; the warm-up visits each once)."""
+        density = min(float(density), 1.0)
+        if density not in self._plans:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            counts = ([] if self.coding == "bitmap"
+                      else mask_counts(self.part, self.layout, density))
+            self._plans[density] = MaskPlan(self.part, self.layout, counts, self.coding,
+                                            self.total)
+        return self._plans[density]
+
+    def shard_bytes_at(self, density: float) -> int:
+        """Bytes each rank contributes to the all-gather of a mask built at ``density`` (0: no
+        gather, every segment is known to be all ones)."""
+        return self.plan(density).shard_bytes
+
+    def start(self, own_bits: torch.Tensor, density: float = 1.0, async_op: bool = True
+              ) -> PendingMask:
+        """Start gathering the mask built at ``density`` from every owner's ``own_bits``."""
         rank = self.comm.rank
         if own_bits.numel() != self.lengths[rank]:
             raise ValueError(f"rank {rank} owns {self.lengths[rank]} elements, got "
                              f"{own_bits.numel()} mask bits")
-        shard = torch.zeros(self.shard_bytes, dtype=torch.uint8, device=own_bits.device)
-        packed = pack_bits(own_bits, backend=self.backend)
-        shard[:packed.numel()] = packed
-        gathered = torch.empty(self.shard_bytes * self.comm.world, dtype=torch.uint8,
+        plan = self.plan(density)
+        if plan.shard_bytes == 0:           # all ones everywhere: nothing to send
+            return PendingMask.ready(plan.decode(None, own_bits.device, self.backend), self)
+        shard = plan.encode(own_bits, rank, self.backend)
+        gathered = torch.empty(plan.shard_bytes * self.comm.world, dtype=torch.uint8,
                                device=own_bits.device)
         handle = self.comm.all_gather(gathered, shard, kind="mask", async_op=async_op)
-        pending = PendingMask(handle, gathered, self)
-        return pending
+        return PendingMask(handle, gathered, self, plan=plan)
 
-    def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
-        pieces = []
-        for r, n in enumerate(self.lengths):
-            if n:
-                b = gathered[r * self.shard_bytes: r * self.shard_bytes + packed_numel(n)]
-                pieces.append(unpack_bits(b, n, backend=self.backend))
-        mask = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.bool)
-        if mask.numel() != self.total:
-            raise RuntimeError(f"assembled mask has {mask.numel()} bits, expected {self.total}")
-        return mask
+    def assemble(self, gathered: torch.Tensor, plan: MaskPlan | None = None) -> torch.Tensor:
+        plan = plan if plan is not None else self.plan(1.0)
+        return plan.decode(gathered, gathered.device, self.backend)

@@ -5,6 +5,8 @@ Per step (lines 1-7; the next mask, line 8, is the strategy's job):
     c^(r) = β1·m + (1-β1)·g^(r) + e^(r)                    prepare(): one pass over e
     e^(r) = (1 - M) ⊙ c^(r)                                 (same pass when M is known)
     b̄     = mean_r c^(r)[M]                                  ONE all-reduce of the payload
+            (low precision, ``payload_dtype``: the all-to-all / fp32 sum / all-gather of
+            :func:`payload.all_reduce_mean`; e^(r)[M] = the rank's quantization error)
     ĝ     = M ⊙ (b̄ - β1·m) / (1-β1);  clip ĝ by its global norm
     m, θ  ← AdamS(m, ĝ) with m zeroed off M                 off M: θ ← (1 - lr·wd)·θ
 """
@@ -18,6 +20,7 @@ from ..comm import Comm
 from ..config import OptimizerConfig
 from .kernels import gather_masked, scatter_masked
 from .partition import ParamLayout, PartitionMap
+from .payload import PayloadCodec, all_reduce_mean
 from .residual import ResidualStore
 
 
@@ -35,6 +38,7 @@ class ReplicatedScape:
         dev, n = layout.device, layout.total
         self.m = torch.zeros(n, dtype=torch.float32, device=dev)
         self.residual = ResidualStore(n, dev, cfg.offload_residuals, cfg.offload_chunk_numel)
+        self.codec = PayloadCodec(cfg.payload_dtype)
         self.record = False          # tests: keep this step's candidate in ``last``
         self.last: dict[str, torch.Tensor] = {}
         self._c: torch.Tensor | None = None
@@ -67,7 +71,14 @@ class ReplicatedScape:
             self.last = {"c": c.clone(), "m_prev": self.m.clone()}
         k = sum(map(sum, counts))
         payload = gather_masked(c, mask, backend=self.backend, count=k)
-        self.comm.all_reduce(payload, kind="payload", average=True)
+        if self.codec.lowp:
+            # the mean, identical on every rank; this rank's error goes into its residual
+            payload, err = all_reduce_mean(payload, self.comm, self.codec, kind="payload")
+            self._res_sq = self._res_sq + self.residual.set_masked(err, mask, k, self.backend)
+            if self.record:
+                self.last["wire_error"] = err.clone()
+        else:
+            self.comm.all_reduce(payload, kind="payload", average=True)
         ghat_c = gather_masked(self.m, mask, backend=self.backend, count=k)
         ghat_c.mul_(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
         norm = torch.linalg.vector_norm(ghat_c)

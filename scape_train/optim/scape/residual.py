@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import scatter_masked
 from .offload import HostBuffer
 
 
@@ -66,6 +67,23 @@ class ResidualStore:
 
         self._each(fn)
         return sq
+
+    def set_masked(self, values: torch.Tensor, mask: torch.Tensor, count: int,
+                   backend: str = "auto") -> torch.Tensor:
+        """``e[M] = values`` (compact, in mask order; ``count`` ones) where ``e`` is 0 on the mask
+        (after :meth:`fold` / :meth:`set_from`): a low-precision payload's quantization error.
+        Returns ``||values||²`` (float64 device tensor), what ``||e||²`` grows by."""
+        if self._host is None:
+            scatter_masked(values, mask, self._dev, backend=backend, count=count)
+        else:
+            dense = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            scatter_masked(values, mask, dense, backend=backend, count=count)
+
+            def fn(s: int, e: int, chunk: torch.Tensor) -> None:
+                chunk.copy_(torch.where(mask[s:e], dense[s:e], chunk))
+
+            self._each(fn)
+        return _sq_norm(values)
 
     def full(self) -> torch.Tensor:
         """A device copy of the whole residual (checkpoints, tests)."""

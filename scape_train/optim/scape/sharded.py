@@ -26,6 +26,7 @@ from ..comm import Comm
 from ..config import OptimizerConfig
 from .kernels import gather_masked, scatter_masked
 from .partition import ParamLayout, PartitionMap
+from .payload import PayloadCodec, all_gather_rows, reduce_scatter_mean
 from .replicated import clip_coef
 from .residual import ResidualStore
 
@@ -43,6 +44,10 @@ class ShardedScape:
         self.rho = torch.zeros(own, dtype=torch.float32, device=dev)   # owner's shared residual
         self.residual = ResidualStore(layout.total, dev, cfg.offload_residuals,
                                       cfg.offload_chunk_numel)        # ε^(r), full size
+        self.codec = PayloadCodec(cfg.payload_dtype)
+        # low precision only: the owner's parameter-update residual (see _sync_param_updates)
+        self.update_residual = (torch.zeros(own, dtype=torch.float32, device=dev)
+                                if self.codec.lowp else None)
         self.record = False
         self.last: dict[str, torch.Tensor] = {}
         self._x: torch.Tensor | None = None
@@ -69,6 +74,8 @@ class ShardedScape:
         assert x is not None, "prepare() first"
         beta1, beta2 = cfg.betas
         world, rank = comm.world, comm.rank
+        if self.record:
+            self.last = {"x": x.clone()}
         counts = [sum(c) for c in seg_counts]
         width = max(1, max(counts))
         # Payload: this rank's x at every mask position, in flat order = owner order; pad each
@@ -79,8 +86,22 @@ class ShardedScape:
         for r, k in enumerate(counts):
             send[r * width: r * width + k] = payload[start:start + k]
             start += k
-        recv = torch.empty(width, dtype=torch.float32, device=x.device)
-        comm.reduce_scatter(recv, send, kind="payload", average=True)
+        if self.codec.lowp:
+            # all-to-all of the coded pieces, fp32 mean on the owner; this rank's quantization
+            # error (exact) goes back into its residual ε at the same mask positions
+            recv, sent = reduce_scatter_mean(send.view(world, width), comm, self.codec,
+                                             kind="payload")
+            err = send.view(world, width).sub_(sent)
+            err_c = torch.cat([err[r, :k] for r, k in enumerate(counts)])
+            self._res_sq = self._res_sq + self.residual.set_masked(err_c, mask, err_c.numel(),
+                                                                   self.backend)
+            if self.record:
+                self.last["wire_error"] = err_c.clone()
+        else:
+            recv = torch.empty(width, dtype=torch.float32, device=x.device)
+            comm.reduce_scatter(recv, send, kind="payload", average=True)
+        if self.record:
+            self.last["reduced"] = recv[:counts[rank]].clone()
         k_own = counts[rank]
         own_mask = mask[self.lo:self.hi]
         base = self._base()
@@ -95,6 +116,7 @@ class ShardedScape:
         self.rho = base.masked_fill_(own_mask, 0.0)
         ghat = torch.zeros_like(self.m)
         scatter_masked(ghat_c, own_mask, ghat, backend=self.backend, count=k_own)
+        decayed = self._decayed_own(lr) if self.codec.lowp else None
         for seg in self.part.segments[rank]:
             a = seg.flat_start - self.lo
             sl = slice(a, a + seg.numel)
@@ -102,7 +124,10 @@ class ShardedScape:
                           step=step, lr=lr, beta1=beta1, beta2=beta2, eps=cfg.eps,
                           weight_decay=lay.weight_decay[seg.tensor],
                           bias_correction=cfg.bias_correction, mask=own_mask[sl])
-        self._sync_params(mask, lr, counts, seg_counts, width)
+        if self.codec.lowp:
+            self._sync_param_updates(mask, lr, counts, seg_counts, width, decayed)
+        else:
+            self._sync_params(mask, lr, counts, seg_counts, width)
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(payload.numel()),
                 "scape/residual_norm": self._res_sq.sqrt()}
@@ -131,6 +156,69 @@ class ShardedScape:
                 scatter_masked(gathered[at:at + k], m, view, backend=self.backend, count=k)
                 at += k
 
+    # -- low-precision parameter sync ----------------------------------------------------------
+    def _own_values(self) -> torch.Tensor:
+        lay = self.layout
+        own = [lay.flat_view(s.tensor)[s.start:s.end] for s in self.part.segments[self.comm.rank]]
+        return torch.cat(own) if own else torch.zeros(0, dtype=torch.float32, device=lay.device)
+
+    def _decayed_own(self, lr: float) -> torch.Tensor:
+        """``(1 - lr·wd)·θ`` on the own range, by the very op every other rank applies."""
+        dec = self._own_values()
+        for seg in self.part.segments[self.comm.rank]:
+            wd = self.layout.weight_decay[seg.tensor]
+            if wd != 0.0:
+                a = seg.flat_start - self.lo
+                dec[a:a + seg.numel].mul_(1.0 - lr * wd)
+        return dec
+
+    def _sync_param_updates(self, mask: torch.Tensor, lr: float, counts: list[int],
+                            seg_counts: list[list[int]], width: int,
+                            decayed: torch.Tensor) -> None:
+        """Low-precision parameter sync: the owner sends its UPDATES at the mask positions,
+        ``δ = θ_new - (1-lr·wd)·θ`` plus its update residual ``u``, coded like the payload, and
+        keeps ``u ← δ + u - deq(q(δ + u))`` (error feedback on the parameters: the applied
+        updates never drift from the exact ones by more than one quantization error). EVERY
+        rank, the owner included, then sets ``θ ← (1-lr·wd)·θ`` and adds the decoded updates at
+        the mask positions, with the same ops on the same bytes: the parameters stay
+        bit-identical on all ranks. (Sending the new values themselves in bf16/fp8 would round
+        θ to 8 or 3 mantissa bits: the update would drown.)"""
+        lay, rank = self.layout, self.comm.rank
+        own_mask = mask[self.lo:self.hi]
+        k_own = counts[rank]
+        shard = torch.zeros(width, dtype=torch.float32, device=lay.device)
+        if k_own:
+            delta = (gather_masked(self._own_values(), own_mask, backend=self.backend, count=k_own)
+                     .sub_(gather_masked(decayed, own_mask, backend=self.backend, count=k_own))
+                     .add_(gather_masked(self.update_residual, own_mask, backend=self.backend,
+                                         count=k_own)))
+            shard[:k_own] = delta
+        applied = all_gather_rows(shard, self.comm, self.codec, kind="params")
+        if self.record:
+            self.last["update_target"] = shard[:k_own].clone()
+        if k_own:
+            scatter_masked(shard[:k_own].sub_(applied[rank, :k_own]), own_mask,
+                           self.update_residual, backend=self.backend, count=k_own)
+        if self.record:
+            self.last["update_sent"] = applied[rank, :k_own].clone()
+        # the owner's parameters back to (1-lr·wd)·θ, then the common path
+        at = 0
+        for seg in self.part.segments[rank]:
+            lay.flat_view(seg.tensor)[seg.start:seg.end].copy_(decayed[at:at + seg.numel])
+            at += seg.numel
+        for r, segs in enumerate(self.part.segments):
+            at = 0
+            for seg, k in zip(segs, seg_counts[r]):
+                view = lay.flat_view(seg.tensor)[seg.start:seg.end]
+                wd = lay.weight_decay[seg.tensor]
+                if r != rank and wd != 0.0:
+                    view.mul_(1.0 - lr * wd)
+                m = mask[seg.flat_start:seg.flat_start + seg.numel]
+                vals = gather_masked(view, m, backend=self.backend, count=k).add_(
+                    applied[r, at:at + k])
+                scatter_masked(vals, m, view, backend=self.backend, count=k)
+                at += k
+
     # -- state in model space ------------------------------------------------------------------
     def _gather_owned(self, t: torch.Tensor) -> torch.Tensor:
         """The full flat tensor from every owner's range (checkpoint time only)."""
@@ -143,8 +231,19 @@ class ShardedScape:
         return torch.cat([out[r * width: r * width + n] for r, n in enumerate(lengths)])
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        return {"momentum": self._gather_owned(self.m), "shared_residual": self._gather_owned(self.rho),
-                "residual": self.residual.full()}
+        out = {"momentum": self._gather_owned(self.m),
+               "shared_residual": self._gather_owned(self.rho), "residual": self.residual.full()}
+        if self.update_residual is not None:
+            out["update_residual"] = self._gather_owned(self.update_residual)
+        return out
+
+    def load_update_residual(self, flat: torch.Tensor | None) -> None:
+        """The owners' parameter-update residual (low-precision payloads); None: zero."""
+        if self.update_residual is not None:
+            if flat is None:
+                self.update_residual.zero_()
+            else:
+                self.update_residual.copy_(flat[self.lo:self.hi])
 
     def load_full_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
                         residual: torch.Tensor | None) -> None:

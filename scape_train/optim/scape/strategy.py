@@ -43,7 +43,8 @@ class ScapeStrategy(OptimizerStrategy):
         # Fail now, not at the first step, when Triton is forced where it cannot run.
         resolve_backend(self.backend, torch.empty(0, device=self.layout.device))
         self.part = build_partition(self.layout, self.comm.world, cfg.partitioner)
-        self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.backend)
+        self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.backend,
+                                     layout=self.layout, coding=cfg.mask_coding)
         engine_cls = ShardedScape if cfg.sharded else ReplicatedScape
         self.engine = engine_cls(self.layout, self.part, cfg, self.comm, self.backend)
         self.steps_done = 0
@@ -104,8 +105,9 @@ class ScapeStrategy(OptimizerStrategy):
         counts = self._loaded_counts or self.counts(self.density(t))
         self._loaded_counts = None
         metrics = self.engine.update(mask, lr, t, counts)
-        own_bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, self.density(t + 1))
-        self._pending = self.exchange.start(own_bits, async_op=True)
+        d_next = self.density(t + 1)
+        own_bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, d_next)
+        self._pending = self.exchange.start(own_bits, d_next, async_op=True)
         self.mask_cur, self.steps_done = mask, t
         ones = float(sum(map(sum, counts)))
         metrics["scape/density"] = ones / self.layout.total
@@ -118,7 +120,7 @@ class ScapeStrategy(OptimizerStrategy):
         if density >= 1.0:
             return torch.ones(self.layout.total, dtype=torch.bool, device=self.layout.device)
         bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, density)
-        return self.exchange.start(bits, async_op=False).wait()
+        return self.exchange.start(bits, density, async_op=False).wait()
 
     def close(self) -> None:
         if self._pending is not None:
@@ -170,7 +172,31 @@ class ScapeStrategy(OptimizerStrategy):
         }
         if "shared_residual" in full:
             state["shared_residual"] = self._split(full["shared_residual"])
+        wire = self._wire_state(full)
+        if wire is not None:
+            state["wire"] = wire
         return state
+
+    # -- wire-format state (kept apart so that checkpoint-layout changes merge cleanly) ---------
+    def _wire_state(self, full: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+        """What the wire format adds to the state: the sharded owners' parameter-update residual
+        of a low-precision payload (per parameter). Mask codings add nothing: they are lossless
+        and need no previous mask beyond ``mask_cur``."""
+        if "update_residual" not in full:
+            return None
+        return {"payload_dtype": self.cfg.payload_dtype,
+                "update_residual": self._split(full["update_residual"])}
+
+    def _load_wire_state(self, state: dict[str, Any]) -> None:
+        wire = state.get("wire")
+        flat = None
+        if wire is not None and wire.get("update_residual") is not None:
+            flat = self._join(wire["update_residual"], "update residual")
+        if isinstance(self.engine, ShardedScape):
+            self.engine.load_update_residual(flat)
+        elif flat is not None:
+            warnings.warn("SCAPE checkpoint holds a sharded low-precision parameter-update "
+                          "residual; replicated mode sends exact updates, it is dropped")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
@@ -186,6 +212,7 @@ class ScapeStrategy(OptimizerStrategy):
                           f"{state['world']}; this is rank {self.comm.rank} of {self.comm.world}: "
                           "per-rank residuals are reset to zero (momentum and masks are kept)")
         self.engine.load_full_state(momentum, shared, residual)
+        self._load_wire_state(state)
         self.steps_done = int(state["step"])
         self.mask_cur = self._join_mask(state.get("mask_cur"))
         nxt = self._join_mask(state.get("mask_next"))

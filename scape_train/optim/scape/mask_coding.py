@@ -1,0 +1,303 @@
+"""How the next mask travels: a coding per owner segment, of a size every rank knows in advance.
+
+``optimizer.mask_coding``:
+
+``bitmap``      today's format: the owner's whole range packed 1 bit per element (spec §4),
+                every shard padded to the largest range: ``ceil(numel/8)`` bytes, excluded
+                tensors included.
+``indices``     per segment, the ``k`` sorted segment-local indices of the ones, each in
+                ``w = bit_length(numel - 1)`` bits, bit-packed: ``ceil(k·w/8)`` bytes.
+``elias_fano``  per segment, the same sorted indices in Elias-Fano form: each index ``i`` is split
+                into ``L`` low bits (written as fixed-width fields, ``k·L`` bits) and a high part
+                ``h = i >> L``, written as one set bit at position ``h_j + j`` of an upper bit
+                vector of ``U = k + ((numel - 1) >> L) + 1`` bits. Its size is fixed by
+                ``(numel, k, L)``; ``L`` is chosen to minimise it (``≈ log2(numel/k)``), for
+                about ``2 + log2(numel/k)`` bits per one: 8.6 bits at 1% density, 5.3 at 10%,
+                against 100 and 10 bits per one for the bitmap.
+``auto``        per segment, the smallest of the three (default; all are lossless, so the masks,
+                and everything computed from them, are bit-identical across codings).
+
+In every coding but ``bitmap``, a segment whose mask is known to be all ones (an excluded tensor:
+biases, norm gains; or ``k = numel``) is not sent at all. Streams are byte-aligned per segment;
+bits are little-endian inside a byte and inside a field (as :func:`pack_bits`).
+
+Sizes depend only on ``(numel, k)`` per segment, and ``k`` per segment follows from the density
+schedule (:func:`mask_counts`): every rank builds the same :class:`MaskPlan` on the host without
+any exchange, the shard of the all-gather is the largest owner's coded size, and nothing is read
+back from the device. A coding whose size depends on the data (the change from the previous mask,
+varints) would need its sizes exchanged and read on the host before an equal-size all-gather
+could be allocated -- a host sync per step and the loss of the gather's overlap -- see
+docs/benchmarks.md §3 for why it is not used.
+
+Decoding is vectorised over all segments of all owners (a fixed number of device ops per step,
+whatever the number of segments); encoding runs per owned segment, beside the top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import pack_bits, packed_numel, unpack_bits
+from .partition import ParamLayout, PartitionMap
+
+MASK_CODINGS = ("auto", "bitmap", "indices", "elias_fano")
+ALL, BITMAP, INDICES, ELIAS_FANO = "all", "bitmap", "indices", "elias_fano"
+_MAX_FIELD_BITS = 33        # a field read spans at most 5 bytes (33 bits + a 7-bit offset)
+
+
+def index_width(numel: int) -> int:
+    """Bits of one segment-local index into ``numel`` elements."""
+    return max(1, (numel - 1).bit_length())
+
+
+def ef_sizes(numel: int, k: int, low_bits: int) -> tuple[int, int]:
+    """(low-stream bytes, upper-stream bytes) of Elias-Fano with ``low_bits`` low bits."""
+    upper = k + ((numel - 1) >> low_bits) + 1
+    return packed_numel(k * low_bits), packed_numel(upper)
+
+
+def ef_low_bits(numel: int, k: int) -> int:
+    """The number of low bits that makes the Elias-Fano coding of ``k`` of ``numel`` smallest."""
+    return min(range(index_width(numel) + 1), key=lambda b: (sum(ef_sizes(numel, k, b)), b))
+
+
+def coded_bytes(kind: str, numel: int, k: int) -> int:
+    """Bytes of one segment's mask in coding ``kind`` (``all`` = not sent)."""
+    if kind == ALL:
+        return 0
+    if kind == BITMAP:
+        return packed_numel(numel)
+    if kind == INDICES:
+        return packed_numel(k * index_width(numel))
+    if kind == ELIAS_FANO:
+        return sum(ef_sizes(numel, k, ef_low_bits(numel, k)))
+    raise ValueError(f"unknown segment coding {kind!r}")
+
+
+@dataclass(frozen=True)
+class SegCode:
+    """One owner segment's coding and where its bytes sit in the owner's shard."""
+
+    kind: str
+    flat_start: int
+    numel: int
+    k: int
+    width: int        # bits per field: the index (indices) or its low part (elias_fano)
+    off: int          # byte offset of the first stream in the owner's shard
+    low_bytes: int    # the field stream (indices, elias_fano)
+    high_bytes: int   # the bitmap (bitmap) or the upper bit vector (elias_fano)
+
+    @property
+    def nbytes(self) -> int:
+        return self.low_bytes + self.high_bytes
+
+
+def choose(coding: str, numel: int, k: int, excluded: bool) -> str:
+    """The segment coding for ``mask_coding=coding`` (not ``bitmap``: that is whole-range)."""
+    if excluded or k >= numel:
+        return ALL
+    if coding == "auto":
+        # ties: the cheapest to decode first
+        return min((BITMAP, ELIAS_FANO, INDICES), key=lambda c: coded_bytes(c, numel, k))
+    return coding
+
+
+def _seg_code(kind: str, flat_start: int, numel: int, k: int, off: int) -> SegCode:
+    if kind == ALL:
+        return SegCode(kind, flat_start, numel, k, 0, off, 0, 0)
+    if kind == BITMAP:
+        return SegCode(kind, flat_start, numel, k, 0, off, 0, packed_numel(numel))
+    if kind == INDICES:
+        w = index_width(numel)
+        if w > _MAX_FIELD_BITS:
+            raise ValueError(f"mask coding 'indices': a segment of {numel} elements needs {w}-bit "
+                             f"indices, more than {_MAX_FIELD_BITS}")
+        return SegCode(kind, flat_start, numel, k, w, off, packed_numel(k * w), 0)
+    low = ef_low_bits(numel, k)
+    lo_b, hi_b = ef_sizes(numel, k, low)
+    return SegCode(kind, flat_start, numel, k, low, off, lo_b, hi_b)
+
+
+def _pack_fields(values: torch.Tensor, width: int, backend: str) -> torch.Tensor:
+    """Non-negative int64 ``values`` as ``width``-bit little-endian fields, bit-packed."""
+    shifts = torch.arange(width, device=values.device)
+    bits = ((values.unsqueeze(1) >> shifts) & 1).bool().reshape(-1)
+    return pack_bits(bits, backend=backend)
+
+
+def _read_fields(buf: torch.Tensor, start: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """Fields of ``width`` bits (≤ 33) starting at bit ``start`` of uint8 ``buf`` (padded by 8
+    bytes so that a 5-byte read never runs past its end)."""
+    byte = start >> 3
+    word = torch.zeros_like(start)
+    for i in range(5):
+        word |= buf.index_select(0, byte + i).long() << (8 * i)
+    ones = torch.bitwise_left_shift(torch.ones_like(width), width) - 1
+    return (word >> (start & 7)) & ones
+
+
+class _Group:
+    """Device tables of the segments of one coding, in (owner, segment) order."""
+
+    def __init__(self, segs: list[tuple[int, SegCode]], shard_bytes: int, device: torch.device):
+        self.n = len(segs)
+        self.ones = sum(s.k for _, s in segs)
+        self.high_total = sum(s.high_bytes for _, s in segs)
+        rows, kcum, hcum = [], 0, 0
+        for rank, s in segs:
+            base = rank * shard_bytes + s.off          # in the gathered buffer
+            rows.append([s.flat_start, s.k, kcum, s.width, 8 * base, base + s.low_bytes, hcum,
+                         s.high_bytes])
+            kcum += s.k
+            hcum += s.high_bytes
+        t = torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 8)
+        (self.flat_start, self.k, self.kcum, self.width, self.low_bit, self.high_byte,
+         self.hcum, self.high_bytes) = t.unbind(1)
+
+    def seg_of(self, counts: torch.Tensor, total: int) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(self.n, device=counts.device), counts,
+                                       output_size=total)
+
+
+class MaskPlan:
+    """Every owner's segment codings for a mask of one density, and the shard they fill."""
+
+    def __init__(self, part: PartitionMap, layout: ParamLayout | None, counts: list[list[int]],
+                 coding: str, total: int):
+        if coding not in MASK_CODINGS:
+            raise ValueError(f"mask_coding must be one of {MASK_CODINGS}, got {coding!r}")
+        self.part, self.coding, self.total = part, coding, total
+        self.legacy = coding == "bitmap"
+        self.lengths = [hi - lo for lo, hi in part.ranges]
+        self.segs: list[list[SegCode]] = []
+        if self.legacy:
+            # today's format: the whole range packed, shards padded to the largest (at least 1)
+            self.rank_bytes = [packed_numel(n) for n in self.lengths]
+            self.shard_bytes = max(1, max(self.rank_bytes))
+            return
+        if layout is None:
+            raise ValueError(f"mask_coding={coding!r} needs the parameter layout")
+        for segs, ks in zip(part.segments, counts):
+            off, codes = 0, []
+            for seg, k in zip(segs, ks):
+                kind = choose(coding, seg.numel, k, layout.excluded[seg.tensor])
+                codes.append(_seg_code(kind, seg.flat_start, seg.numel, k, off))
+                off += codes[-1].nbytes
+            self.segs.append(codes)
+        self.rank_bytes = [sum(s.nbytes for s in codes) for codes in self.segs]
+        self.shard_bytes = max(self.rank_bytes)    # 0: every segment all ones, nothing to send
+        self._tables: dict = {}
+
+    def kinds(self) -> dict[str, int]:
+        """How many segments use each coding (for reports)."""
+        out: dict[str, int] = {}
+        for codes in self.segs:
+            for s in codes:
+                out[s.kind] = out.get(s.kind, 0) + 1
+        return out
+
+    # -- owner side ----------------------------------------------------------------------------
+    def encode(self, own_bits: torch.Tensor, rank: int, backend: str = "auto") -> torch.Tensor:
+        """The owner's shard (``shard_bytes`` uint8) of its bits over its range."""
+        shard = torch.zeros(self.shard_bytes, dtype=torch.uint8, device=own_bits.device)
+        if self.legacy:
+            packed = pack_bits(own_bits, backend=backend)
+            shard[:packed.numel()] = packed
+            return shard
+        lo = self.part.ranges[rank][0]
+        for s in self.segs[rank]:
+            if s.kind == ALL:
+                continue
+            bits = own_bits[s.flat_start - lo: s.flat_start - lo + s.numel]
+            if s.kind == BITMAP:
+                shard[s.off:s.off + s.high_bytes] = pack_bits(bits, backend=backend)
+                continue
+            idx = torch.nonzero_static(bits, size=s.k).view(-1)     # sorted, k known: no sync
+            low = idx if s.kind == INDICES else idx & ((1 << s.width) - 1)
+            if s.low_bytes:
+                shard[s.off:s.off + s.low_bytes] = _pack_fields(low, s.width, backend)
+            if s.kind == ELIAS_FANO:
+                upper = torch.zeros(8 * s.high_bytes, dtype=torch.bool, device=bits.device)
+                upper.index_fill_(0, (idx >> s.width) + torch.arange(s.k, device=bits.device),
+                                  True)
+                a = s.off + s.low_bytes
+                shard[a:a + s.high_bytes] = pack_bits(upper, backend=backend)
+        return shard
+
+    # -- receiver side -------------------------------------------------------------------------
+    def decode(self, gathered: torch.Tensor | None, device: torch.device,
+               backend: str = "auto") -> torch.Tensor:
+        """The full bool mask from every owner's shard (``world·shard_bytes`` uint8)."""
+        if self.legacy:
+            assert gathered is not None
+            pieces = []
+            for r, n in enumerate(self.lengths):
+                if n:
+                    b = gathered[r * self.shard_bytes: r * self.shard_bytes + packed_numel(n)]
+                    pieces.append(unpack_bits(b, n, backend=backend))
+            mask = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.bool)
+            if mask.numel() != self.total:
+                raise RuntimeError(f"assembled mask has {mask.numel()} bits, expected {self.total}")
+            return mask
+        tables = self._device_tables(device)
+        if tables["all_ones"]:
+            return torch.ones(self.total, dtype=torch.bool, device=device)
+        mask = torch.zeros(self.total, dtype=torch.bool, device=device)
+        if tables["implicit"].numel():
+            mask.index_fill_(0, tables["implicit"], True)
+        if self.shard_bytes == 0:
+            return mask
+        assert gathered is not None
+        buf = torch.cat([gathered, gathered.new_zeros(8)])
+        for r, codes in enumerate(self.segs):
+            for s in codes:
+                if s.kind == BITMAP:
+                    a = r * self.shard_bytes + s.off
+                    mask[s.flat_start:s.flat_start + s.numel] = unpack_bits(
+                        gathered[a:a + s.high_bytes], s.numel, backend=backend)
+        found = []
+        grp = tables[INDICES]
+        if grp is not None and grp.ones:
+            seg = grp.seg_of(grp.k, grp.ones)
+            within = torch.arange(grp.ones, device=device) - grp.kcum[seg]
+            width = grp.width[seg]
+            found.append(grp.flat_start[seg] + _read_fields(buf, grp.low_bit[seg] + within * width,
+                                                            width))
+        grp = tables[ELIAS_FANO]
+        if grp is not None and grp.ones:
+            seg = grp.seg_of(grp.k, grp.ones)
+            within = torch.arange(grp.ones, device=device) - grp.kcum[seg]
+            width = grp.width[seg]
+            low = _read_fields(buf, grp.low_bit[seg] + within * width, width)
+            # the upper bit vectors, concatenated: segment g holds exactly k_g ones, so the
+            # j-th one overall belongs to seg[j]
+            bseg = grp.seg_of(grp.high_bytes, grp.high_total)
+            bidx = (grp.high_byte[bseg] + torch.arange(grp.high_total, device=device)
+                    - grp.hcum[bseg])
+            bits = unpack_bits(gathered.index_select(0, bidx), 8 * grp.high_total,
+                               backend=backend)
+            pos = torch.nonzero_static(bits, size=grp.ones).view(-1)
+            high = pos - 8 * grp.hcum[seg] - within
+            found.append(grp.flat_start[seg] + (high << width) + low)
+        if found:
+            mask.index_fill_(0, torch.cat(found), True)
+        return mask
+
+    def _device_tables(self, device: torch.device) -> dict:
+        key = str(device)
+        if key not in self._tables:
+            flat = [(r, s) for r, codes in enumerate(self.segs) for s in codes]
+            implicit = [torch.arange(s.flat_start, s.flat_start + s.numel, device=device)
+                        for _, s in flat if s.kind == ALL]
+            t: dict = {"all_ones": all(s.kind == ALL for _, s in flat),
+                       "implicit": (torch.cat(implicit) if implicit
+                                    else torch.zeros(0, dtype=torch.int64, device=device))}
+            for kind in (INDICES, ELIAS_FANO):
+                segs = [(r, s) for r, s in flat if s.kind == kind]
+                t[kind] = _Group(segs, self.shard_bytes, device) if segs else None
+            if t["all_ones"]:
+                t["implicit"] = torch.zeros(0, dtype=torch.int64, device=device)
+            self._tables[key] = t
+        return self._tables[key]
