@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import torch
 
 from scape_train.metrics import read_on_host
@@ -9,7 +11,9 @@ from scape_train.metrics import read_on_host
 from scape_train.optim.comm import ring_all_gather_bytes, ring_all_reduce_bytes
 from scape_train.optim.density import segment_k
 
-from ._optim_common import batch, flat_params, loss_fn
+from scape_train.optim.config import OptimizerConfig
+
+from ._optim_common import batch, flat_params, loss_fn, make, train_step
 
 
 def elementwise(layout, values: list[float]) -> torch.Tensor:
@@ -99,3 +103,45 @@ def check_invariants(results: list[dict], clip_active: bool) -> None:
             shard = info["shard_bytes"][t + 2] + (info["shard_bytes"][1] if t == 0 and
                                                   info["density"][1] < 1 else 0)
             assert st.get("comm/mask_sent_bytes", 0) == ring_all_gather_bytes(shard, n)
+
+
+def resume_and_offload_run(cfg: OptimizerConfig, rank: int, n: int = 3) -> dict:
+    """2n steps straight, 2n with the residual offloaded (odd chunks), and n + save/load into fresh
+    objects with other initial weights + n: parameters and optimizer states of all three."""
+    full, w_full, _ = make(cfg)
+    for t in range(1, 2 * n + 1):
+        train_step(full, w_full, t, rank)
+    off, w_off, _ = make(OptimizerConfig(**{**cfg.__dict__, "offload_residuals": True,
+                                            "offload_chunk_numel": 37}))
+    for t in range(1, 2 * n + 1):
+        train_step(off, w_off, t, rank)
+    first, w_first, _ = make(cfg)
+    for t in range(1, n + 1):
+        train_step(first, w_first, t, rank)
+    buf = io.BytesIO()
+    torch.save({"opt": first.state_dict(), "model": w_first.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    second, w_second, _ = make(cfg, seed=123)   # fresh objects, other initial weights
+    w_second.load_state_dict(saved["model"])
+    second.load_state_dict(saved["opt"])
+    for t in range(n + 1, 2 * n + 1):
+        train_step(second, w_second, t, rank)
+    out = dict(p_full=flat_params(w_full), p_resumed=flat_params(w_second),
+               p_off=flat_params(w_off), s_full=full.state_dict(), s_resumed=second.state_dict(),
+               s_off=off.state_dict(), saved_keys=sorted(saved["opt"]))
+    for s in (full, off, first, second):
+        s.close()
+    return out
+
+
+def assert_states_equal(a, b, where: str = "") -> None:
+    """Nested optimizer states equal: tensors bit for bit, everything else by value."""
+    assert a.keys() == b.keys(), where
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_states_equal(a[k], b[k], f"{where}.{k}")
+        elif isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), f"{where}.{k}"
+        else:
+            assert a[k] == b[k], f"{where}.{k}"

@@ -3,7 +3,6 @@ exact resume and offload."""
 
 from __future__ import annotations
 
-import io
 import warnings
 
 import pytest
@@ -17,7 +16,8 @@ from scape_train.optim.config import OptimizerConfig
 
 from ._dist import run_distributed
 from ._optim_common import flat_params, make, train_step
-from ._scape_checks import check_invariants, record_run
+from ._scape_checks import (assert_states_equal, check_invariants, record_run,
+                            resume_and_offload_run)
 
 pytestmark = pytest.mark.dist
 
@@ -172,40 +172,7 @@ def test_sparse_bytes_are_under_a_twentieth_of_dense():
 def _resume_worker(rank, world, sharded):
     cfg = scape_cfg(density=0.25, sharded=sharded, clip_grad=0.5, density_schedule="geometric",
                     density_warmup_steps=4)
-    n = 3
-    full, w_full, _ = make(cfg)
-    for t in range(1, 2 * n + 1):
-        train_step(full, w_full, t, rank)
-    off, w_off, _ = make(OptimizerConfig(**{**cfg.__dict__, "offload_residuals": True,
-                                            "offload_chunk_numel": 37}))
-    for t in range(1, 2 * n + 1):
-        train_step(off, w_off, t, rank)
-    first, w_first, _ = make(cfg)
-    for t in range(1, n + 1):
-        train_step(first, w_first, t, rank)
-    buf = io.BytesIO()
-    torch.save({"opt": first.state_dict(), "model": w_first.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    second, w_second, _ = make(cfg, seed=123)   # fresh objects, other initial weights
-    w_second.load_state_dict(saved["model"])
-    second.load_state_dict(saved["opt"])
-    for t in range(n + 1, 2 * n + 1):
-        train_step(second, w_second, t, rank)
-    s_full, s_second, s_off = full.state_dict(), second.state_dict(), off.state_dict()
-    return dict(p_full=flat_params(w_full), p_resumed=flat_params(w_second),
-                p_off=flat_params(w_off), s_full=s_full, s_resumed=s_second, s_off=s_off)
-
-
-def _assert_states_equal(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], dict):
-            _assert_states_equal(a[k], b[k])
-        elif isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
+    return resume_and_offload_run(cfg, rank)
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -214,8 +181,8 @@ def test_exact_resume_and_offload(sharded):
     for res in results:
         assert torch.equal(res["p_full"], res["p_resumed"])      # bit for bit
         assert torch.equal(res["p_full"], res["p_off"])          # offload changes nothing
-        _assert_states_equal(res["s_full"], res["s_resumed"])
-        _assert_states_equal(res["s_full"], res["s_off"])
+        assert_states_equal(res["s_full"], res["s_resumed"])
+        assert_states_equal(res["s_full"], res["s_off"])
     # the same checkpoint loads on another world size (here: one process); residuals reset
     state = results[1]["s_full"]
     strategy, _, _ = make(scape_cfg(density=0.25, sharded=not sharded))

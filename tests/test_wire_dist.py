@@ -5,7 +5,6 @@ resume is bit-exact with each format."""
 
 from __future__ import annotations
 
-import io
 import itertools
 
 import pytest
@@ -17,7 +16,8 @@ from scape_train.optim.scape.partition import ParamLayout
 
 from ._dist import run_distributed
 from ._optim_common import flat_params, make, tiny_model, train_step
-from ._scape_checks import check_invariants, elementwise, record_run
+from ._scape_checks import (assert_states_equal, check_invariants, elementwise, record_run,
+                            resume_and_offload_run)
 
 pytestmark = pytest.mark.dist
 
@@ -224,48 +224,12 @@ RESUME_CASES = [(sharded, dtype, coding) for sharded in (False, True)
                                       ("fp8_e4m3", "elias_fano"), ("fp8_e5m2", "bitmap")]]
 
 
-def _states_equal(a, b, where=""):
-    assert a.keys() == b.keys(), where
-    for k in a:
-        if isinstance(a[k], dict):
-            _states_equal(a[k], b[k], f"{where}.{k}")
-        elif isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), f"{where}.{k}"
-        else:
-            assert a[k] == b[k], f"{where}.{k}"
-
-
 def _resume_worker(rank, world):
     out = []
     for sharded, dtype, coding in RESUME_CASES:
         cfg = cfg_of(density=0.2, sharded=sharded, clip_grad=0.5, density_warmup_steps=4,
                      payload_dtype=dtype, mask_coding=coding)
-        n = 3
-        full, w_full, _ = make(cfg)
-        for t in range(1, 2 * n + 1):
-            train_step(full, w_full, t, rank)
-        off, w_off, _ = make(OptimizerConfig(**{**cfg.__dict__, "offload_residuals": True,
-                                                "offload_chunk_numel": 37}))
-        for t in range(1, 2 * n + 1):
-            train_step(off, w_off, t, rank)
-        first, w_first, _ = make(cfg)
-        for t in range(1, n + 1):
-            train_step(first, w_first, t, rank)
-        buf = io.BytesIO()
-        torch.save({"opt": first.state_dict(), "model": w_first.state_dict()}, buf)
-        buf.seek(0)
-        saved = torch.load(buf, weights_only=True)
-        second, w_second, _ = make(cfg, seed=123)
-        w_second.load_state_dict(saved["model"])
-        second.load_state_dict(saved["opt"])
-        for t in range(n + 1, 2 * n + 1):
-            train_step(second, w_second, t, rank)
-        out.append(dict(p_full=flat_params(w_full), p_resumed=flat_params(w_second),
-                        p_off=flat_params(w_off), s_full=full.state_dict(),
-                        s_resumed=second.state_dict(), s_off=off.state_dict(),
-                        saved_keys=sorted(saved["opt"])))
-        for s in (full, off, first, second):
-            s.close()
+        out.append(resume_and_offload_run(cfg, rank))
     return out
 
 
@@ -276,7 +240,7 @@ def test_resume_is_bit_exact_with_each_format():
             r = res[i]
             assert torch.equal(r["p_full"], r["p_resumed"]), RESUME_CASES[i]
             assert torch.equal(r["p_full"], r["p_off"]), RESUME_CASES[i]
-            _states_equal(r["s_full"], r["s_resumed"], str(RESUME_CASES[i]))
-            _states_equal(r["s_full"], r["s_off"], str(RESUME_CASES[i]))
+            assert_states_equal(r["s_full"], r["s_resumed"], str(RESUME_CASES[i]))
+            assert_states_equal(r["s_full"], r["s_off"], str(RESUME_CASES[i]))
             # only the sharded low-precision engine adds state (its update residual)
             assert ("wire" in r["saved_keys"]) == (sharded and dtype != "fp32")
