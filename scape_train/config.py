@@ -19,6 +19,7 @@ from scape_train.eval.config import EvalConfig
 from scape_train.models.config import ModelConfig
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.local.config import StrategyConfig
+from scape_train.plan.config import PlanConfig
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)   # the start-up memory plan (plan/)
 
 
 def register_configs() -> None:

@@ -31,6 +31,7 @@ from scape_train.checkpoint import CheckpointError, CheckpointManager, find_chec
 from scape_train.config import Config, grad_accum_steps, validate
 from scape_train.metrics import (MetricsLogger, StepTimer, memory_metrics, peak_flops,
                                  plot_loss_curve, read_on_host)
+from scape_train.plan.check import check_memory
 from scape_train.rng import get_rng_state, seed_everything, set_rng_state
 from scape_train.schedule import lr_at
 from scape_train.tracking import init_wandb
@@ -121,6 +122,7 @@ class Trainer:
             torch.set_num_threads(t.num_threads)
         self.info = D.init_distributed(t.device, t.dist_timeout_s)
         validate(cfg, self.info.world_size)
+        check_memory(cfg, self.info)  # the memory plan: refuse what cannot fit, before any work
         self.accum = grad_accum_steps(cfg, self.info.world_size)
         self.eval_tasks = None
         if cfg.eval.enabled:  # a task-name typo fails now, not after hours of training

@@ -1,0 +1,313 @@
+"""Optimizer state and optimizer-step transients, from the parameter layout (exact functions of it).
+
+``optimizer_memory(cfg, model, world, on_gpu)`` returns the device bytes each strategy holds for the
+whole run (its state), what it keeps in host memory instead, and the extra bytes at the peak of
+``strategy.step()`` and of ``strategy.state_dict()`` (checkpoints). The steps are replayed from the
+code (``simulate.Replay``), so the temporaries alive together are the ones the code keeps together:
+
+- dense (``optim/dense.py``): AdamW 2 fp32 buffers (foreach: a sqrt(v) list per param group while it
+  updates), AdamS 1 (``adams_update_`` builds v per tensor); DDP (world > 1) keeps a bucket copy of
+  every gradient (``gradient_as_bucket_view`` is off).
+- SCAPE (``optim/scape/``): replicated holds m and the residual e full size (e in host memory with
+  ``offload_residuals``) and the bool masks; sharded holds m and rho on its own flat range and e full
+  size. A step adds the flat gradient copy g, the candidate c (sharded: x = (1-beta1) g), the
+  payload (k values: the mask's popcount, the largest at the first steps of a density warmup) and
+  the full-size ghat; on the torch kernel path (CPU, ``use_triton=off``) boolean indexing also
+  materialises int64 indices of the payload.
+- DiLoCo / GASLoC (``optim/local/``): the inner optimizer's state plus theta0 and y_prev (in host
+  memory with ``outer_state_on_cpu``); a round adds flat buffers (GASLoC: one per peer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from scape_train.config import Config
+from scape_train.optim.density import density_at, segment_k
+from scape_train.plan.simulate import Replay
+
+F32 = 4          # bytes of an fp32 element
+I64 = 8          # bytes of an int64 index
+
+
+@dataclass
+class OptimizerMemory:
+    state: list[tuple[str, int]] = field(default_factory=list)   # device, the whole run
+    host: list[tuple[str, int]] = field(default_factory=list)    # host memory instead of device
+    step: int = 0                 # extra device bytes at the peak of step()
+    step_where: str = ""
+    checkpoint: int = 0           # extra device bytes at the peak of state_dict()
+    checkpoint_where: str = ""
+
+
+@dataclass(frozen=True)
+class _Params:
+    numels: list[int]
+    ndims: list[int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def largest(self) -> int:
+        return max(self.numels)
+
+
+def _params(model: nn.Module) -> _Params:
+    ps = [p for p in model.parameters() if p.requires_grad]
+    return _Params([p.numel() for p in ps], [p.ndim for p in ps])
+
+
+# -- dense inner optimizers ------------------------------------------------------------------------
+def _adam_state(name: str, n: int) -> list[tuple[str, int]]:
+    if name == "adams":
+        return [("AdamS exp_avg (fp32)", F32 * n)]
+    return [("AdamW exp_avg + exp_avg_sq (fp32)", 2 * F32 * n)]
+
+
+def _adam_step(r: Replay, name: str, p: _Params, foreach: bool, bias_correction: str) -> None:
+    """The temporaries of one AdamW / AdamS step (clip_grad_norm_'s are per-tensor scalars)."""
+    if name == "adams":   # adams_update_: v = m^2*beta2 + (1-beta2) g^2 ("official": m / bc1 first)
+        per = (2 if bias_correction == "official" else 1) * F32 * p.largest
+        r.spike(per, "AdamS v of the largest tensor")
+    elif foreach:         # torch's _multi_tensor_adam: sqrt(exp_avg_sq) for a whole param group
+        decay = sum(n for n, d in zip(p.numels, p.ndims) if d >= 2)
+        r.spike(F32 * max(decay, p.total - decay), "AdamW foreach sqrt(v) of a param group")
+    else:                 # _single_tensor_adam: sqrt(v), its quotient and the addcdiv term
+        r.spike(3 * F32 * p.largest, "AdamW sqrt(v) of the largest tensor")
+
+
+def _dense(cfg: Config, p: _Params, world: int) -> OptimizerMemory:
+    o = cfg.optimizer
+    inner = "adams" if o.name == "adams" else "adamw"
+    mem = OptimizerMemory(state=_adam_state(inner, p.total))
+    if world > 1:
+        mem.state.append(("DDP gradient buckets (fp32)", F32 * p.total))
+        if o.name == "powersgd":
+            mem.state.append(("PowerSGD error feedback (fp32)", F32 * p.total))
+    r = Replay()
+    _adam_step(r, inner, p, o.foreach, o.bias_correction)
+    mem.step, mem.step_where = r.peak, r.where
+    return mem
+
+
+# -- SCAPE -----------------------------------------------------------------------------------------
+def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> OptimizerMemory:
+    from scape_train.optim.scape.kernels import packed_numel
+    from scape_train.optim.scape.partition import ParamLayout, build_partition
+
+    o = cfg.optimizer
+    lay = ParamLayout(model, weight_decay=o.weight_decay, exclude_norm_bias=o.exclude_norm_bias)
+    part = build_partition(lay, world, o.partitioner)
+    n = lay.total
+    # The largest payload: the density at step 1 (a geometric warmup starts from dense).
+    d = density_at(1, o.density, o.density_warmup_steps, o.density_schedule)
+
+    def count(seg) -> int:
+        return seg.numel if lay.excluded[seg.tensor] else segment_k(seg.numel, d)
+
+    seg_counts = [[count(s) for s in segs] for segs in part.segments]
+    counts = [sum(c) for c in seg_counts]
+    k = sum(counts)
+    rank = max(range(world), key=lambda r: part.ranges[r][1] - part.ranges[r][0])
+    lo, hi = part.ranges[rank]
+    n_own, k_own = hi - lo, counts[rank]
+    torch_path = not on_gpu or o.use_triton == "off"
+    index = (lambda m: I64 * m) if torch_path else (lambda m: 0)
+    shard_bytes = max(1, max(packed_numel(hi_ - lo_) for lo_, hi_ in part.ranges))
+    in_flight = shard_bytes * world       # the next mask's packed all-gather buffer
+
+    mem = OptimizerMemory()
+    if o.sharded:
+        mem.state += [(f"SCAPE momentum m (own 1/{world}, fp32)", F32 * n_own),
+                      (f"SCAPE shared residual rho (own 1/{world}, fp32)", F32 * n_own)]
+    else:
+        mem.state.append(("SCAPE momentum m (full, fp32)", F32 * n))
+    residual = ("SCAPE residual e (full, fp32)", F32 * n)
+    if o.offload_residuals and on_gpu:
+        mem.host.append(residual)
+        mem.state.append(("SCAPE offload staging (2 chunks)", 2 * F32 * min(o.offload_chunk_numel, n)))
+    else:
+        mem.state.append(residual)     # on a CPU run "host" is the device
+    mem.state.append(("SCAPE masks (current bool + next, packed)", n + in_flight))
+
+    r = Replay()
+    r.alloc(F32 * n, "flat gradient copy g")
+    _assemble_mask(r, part, in_flight)     # M_t: the in-flight packed gather becomes a bool mask
+    if not o.sharded:
+        r.alloc(F32 * n, "candidate c")
+        with r.temp(index(k), "payload gather"):
+            payload = r.alloc(F32 * k, "payload c[M]")
+        with r.temp(index(k), "ghat gather"):
+            ghat_c = r.alloc(F32 * k, "ghat[M]")
+        ghat = r.alloc(F32 * n, "full-size ghat")
+        r.spike(index(k), "scattering ghat")
+        r.spike(_adams_masked(o.bias_correction, lay.numels), "AdamS update (largest tensor)")
+        r.free(payload, ghat_c, ghat)
+        stat_bytes = 0                  # the statistic is a view of c
+    else:
+        r.alloc(F32 * n, "x = (1-beta1) g")
+        stat_bytes = r.alloc(F32 * n_own, "owner's candidate c^(o)")
+        width = max(1, max(counts))
+        with r.temp(index(k), "payload gather"):
+            payload = r.alloc(F32 * k, "payload x[M]")
+        send = r.alloc(F32 * world * width, "reduce-scatter send buffer")
+        recv = r.alloc(F32 * width, "reduce-scatter receive buffer")
+        base = r.alloc(F32 * n_own, "base = beta1 m + rho")
+        with r.temp(index(k_own), "base gather"):
+            r.spike(F32 * k_own, "base[M]")
+        with r.temp(index(k_own), "ghat gather"):
+            ghat_c = r.alloc(F32 * k_own, "ghat[M]")
+        r.spike(2 * I64 * k_own, "ghat norm in fp64")
+        r.free(base)                    # base becomes rho; the old rho (state) is freed
+        ghat = r.alloc(F32 * n_own, "owner's ghat")
+        r.spike(index(k_own), "scattering ghat")
+        r.spike(_adams_masked(o.bias_correction, [s.numel for s in part.segments[rank]] or [0]),
+                "AdamS update (largest segment)")
+        cat = r.alloc(F32 * n_own, "own parameters, flat")
+        with r.temp(index(k_own), "parameter gather"):
+            vals = r.alloc(F32 * k_own, "new parameter values at the mask")
+        r.free(cat)
+        shard = r.alloc(F32 * width, "parameter all-gather shard")
+        gathered = r.alloc(F32 * width * world, "parameter all-gather buffer")
+        largest_seg = max((c for rc in seg_counts for c in rc), default=0)
+        r.spike(index(largest_seg), "scattering gathered parameters")
+        r.free(payload, send, recv, ghat_c, ghat, vals, shard, gathered)
+    bits = r.alloc(n_own, "owner's next-mask bits")
+    cpu_topk = 0 if on_gpu else 16    # CPU topk sorts (value, int64 index) pairs of the whole slice
+    for seg, kk in zip(part.segments[rank], seg_counts[rank]):
+        if kk < seg.numel:
+            r.spike(F32 * seg.numel + (F32 + I64) * kk + cpu_topk * seg.numel, "top-k of |c| per segment")
+    r.spike(2 * n_own + packed_numel(n_own), "packing the next mask")
+    r.alloc(shard_bytes + in_flight, "next-mask all-gather buffers")
+    r.spike(n, "mask overlap metric")
+    r.free(bits, stat_bytes)
+    mem.step, mem.step_where = r.peak, r.where
+
+    ck = Replay()                       # state_dict(), in its order (scape/strategy.py)
+    if o.sharded:
+        owned = F32 * max(hi_ - lo_ for lo_, hi_ in part.ranges) * (world + 1)  # shard + gathered
+        for what in ("m", "rho"):
+            with ck.temp(owned, f"gathering {what} for the checkpoint"):
+                ck.alloc(F32 * n, f"gathering {what} for the checkpoint")
+    else:
+        ck.alloc(F32 * n, "momentum copy for the checkpoint")
+    ck.alloc(F32 * n, "residual copy for the checkpoint")
+    # Per-tensor copies: .cpu().clone() is a second copy where the device is the host.
+    split = 0 if on_gpu else F32 * n
+    ck.alloc(2 * split, "per-tensor checkpoint copies")
+    packed = 0 if on_gpu else packed_numel(n)
+    ck.spike(2 * max(lay.numels), "packing the masks for the checkpoint")
+    ck.alloc(packed, "packing the masks for the checkpoint")
+    _assemble_mask(ck, part, in_flight)  # mask_next: waits for the in-flight gather
+    ck.spike(2 * max(lay.numels), "packing the masks for the checkpoint")
+    ck.alloc(packed, "packing the masks for the checkpoint")
+    if o.sharded:
+        ck.alloc(split, "per-tensor checkpoint copies")
+    mem.checkpoint, mem.checkpoint_where = ck.peak, ck.where
+    return mem
+
+
+def _assemble_mask(r: Replay, part, in_flight: int) -> None:
+    """``MaskExchange.assemble``: each owner's bits unpacked (uint8 shifts), then one bool cat."""
+    pieces = 0
+    for lo, hi in part.ranges:
+        r.spike(2 * (hi - lo), "unpacking the next mask")   # two of: >> , & 1, .bool() at a time
+        pieces += r.alloc(hi - lo, "unpacking the next mask")
+    r.alloc(sum(hi - lo for lo, hi in part.ranges), "assembling the next mask")
+    r.free(pieces, in_flight)
+
+
+def _adams_masked(bias_correction: str, numels: list[int]) -> int:
+    """adams_update_ with a mask: v (and m / bc1 for "official") plus ~mask, per tensor."""
+    per = (2 if bias_correction == "official" else 1) * F32 + 1
+    return per * max(numels)
+
+
+# -- top-k AdamW -----------------------------------------------------------------------------------
+def _topk(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory:
+    o = cfg.optimizer
+    d = density_at(1, o.density, o.density_warmup_steps, o.density_schedule)
+    ks = [n if (o.exclude_norm_bias and nd < 2) else segment_k(n, d) for n, nd in zip(p.numels, p.ndims)]
+    k, n = sum(ks), p.total
+    mem = OptimizerMemory(state=_adam_state("adamw", n) + [("top-k residual (fp32)", F32 * n)])
+    r = Replay()
+    r.alloc(F32 * n, "accumulated gradient g + e")
+    cpu_topk = 0 if on_gpu else 16
+    picks = 0
+    for numel, kk in zip(p.numels, ks):
+        if kk < numel:
+            r.spike(F32 * numel + (F32 + I64) * kk + cpu_topk * numel, "top-k per tensor")
+        picks += r.alloc(I64 * kk, "selected indices")
+    r.alloc(I64 * k, "selected indices")
+    r.free(picks)
+    r.alloc(F32 * k, "selected values")
+    with r.temp(4 * k, "int32 indices"):
+        r.alloc(8 * k, "all-gather send buffer")
+    r.alloc(8 * k * world, "all-gather receive buffer")
+    r.alloc(F32 * n, "dense averaged gradient")
+    r.spike(I64 * k, "index_add indices")
+    r.alloc(F32 * n, "new gradients (the step's list still references the old ones)")
+    _adam_step(r, "adamw", p, o.foreach, o.bias_correction)
+    mem.step, mem.step_where = r.peak, r.where
+    if not on_gpu:                       # the residual's .cpu().clone() where the device is the host
+        mem.checkpoint, mem.checkpoint_where = F32 * n, "residual copy for the checkpoint"
+    return mem
+
+
+# -- DiLoCo / GASLoC -------------------------------------------------------------------------------
+def gossip_peers(topology: str, world: int) -> int:
+    if world <= 1:
+        return 0
+    if topology == "complete":
+        return world - 1
+    if topology == "1peer" or world == 2:
+        return 1
+    return 2
+
+
+def _local(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory:
+    o, s = cfg.optimizer, cfg.strategy
+    inner = "adams" if o.name == "adams" else "adamw"
+    n, big = p.total, p.largest
+    mem = OptimizerMemory(state=_adam_state(inner, n))
+    outer = (f"{s.name} outer state theta0 + y_prev (fp32)", 2 * F32 * n)
+    on_host = s.outer_state_on_cpu and on_gpu
+    (mem.host if on_host else mem.state).append(outer)
+    r = Replay()
+    _adam_step(r, inner, p, o.foreach, o.bias_correction)
+    fetch = 2 * F32 * big if on_host else 0          # theta0 and y_prev copied to the device
+    if s.name == "diloco":
+        r.alloc(F32 * n, "flat outer gradient delta")
+        r.spike(F32 * big + fetch, "outer gradient of the largest tensor")
+        # y, y - y_prev and x of this tensor beside the previous tensor's x (rebound only after)
+        r.spike(4 * F32 * big + fetch, "Nesterov outer step of the largest tensor")
+    else:
+        r.alloc(F32 * n, "flat gossip send buffer")
+        if not s.mix_momentum:
+            r.alloc(F32 * n, "flat momentum term")
+        r.spike(4 * F32 * big + fetch, "local extrapolation of the largest tensor")
+        r.alloc(gossip_peers(s.topology, world) * F32 * n, "gossip receive buffers (one per peer)")
+        r.alloc(F32 * n, "mixed parameters")
+    mem.step, mem.step_where = r.peak, r.where
+    if not on_gpu:   # snapshot() copies the state where the device is the host (at a round end,
+        # where the trainer checkpoints, theta equals theta0 and is not copied)
+        mem.checkpoint = sum(b for _, b in mem.state)
+        mem.checkpoint_where = "host copies of the state (checkpoint)"
+    return mem
+
+
+def optimizer_memory(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> OptimizerMemory:
+    """The memory of the strategy the trainer would build over ``model`` (a meta model will do)."""
+    p = _params(model)
+    if cfg.strategy.name != "data_parallel":
+        return _local(cfg, p, world, on_gpu)
+    name = cfg.optimizer.name
+    if name == "scape":
+        return _scape(cfg, model, world, on_gpu)
+    if name == "topk_adamw":
+        return _topk(cfg, p, world, on_gpu)
+    return _dense(cfg, p, world)
