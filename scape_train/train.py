@@ -275,6 +275,7 @@ class Trainer:
                         loss = loss * float("nan")
                 loss.backward()
             loss_sum += loss.detach().float()
+            del logits, loss   # not alive through the optimizer step (GiBs at paper shapes)
         with timer.phase("optimizer"):
             strategy.after_backward()
             # One tiny collective of device scalars agrees on the loss, a non-finite loss and a

@@ -295,29 +295,27 @@ def check_train(ctx: Ctx) -> dict:
 
 @check("memory_plan", "the memory plan's estimate vs torch.cuda.max_memory_allocated")
 def check_plan(ctx: Ctx) -> dict:
-    import json as _json
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
+    from scape_train.config import register_configs, to_object
+    from scape_train.plan.check import device_for
+    from scape_train.plan.estimate import plan_memory
+
+    register_configs()
     results = {}
-    runs = ctx.results.get("train_throughput", {})
-    for name, run in runs.items():
+    for name, run in ctx.results.get("train_throughput", {}).items():
         if not isinstance(run, dict) or "overrides" not in run:
             continue
-        overrides = [o for o in run["overrides"] if not o.startswith("run_dir=")]
-        env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-        proc = subprocess.run([sys.executable, "-m", "scape_train.plan", *overrides,
-                               "plan.world_size=1", "plan.json=true"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-        entry = {"returncode": proc.returncode}
-        try:
-            plan = _json.loads(proc.stdout.strip().splitlines()[-1])
-            entry["estimate_gib"] = plan.get("total_gib")
-        except (ValueError, IndexError):
-            entry["stdout_tail"] = proc.stdout.strip().splitlines()[-10:]
-            entry["stderr_tail"] = proc.stderr.strip().splitlines()[-10:]
-        measured = run.get("mem/allocated_gib")
-        entry["measured_gib"] = measured
-        if measured and entry.get("estimate_gib"):
-            entry["estimate_over_measured"] = entry["estimate_gib"] / measured
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            cfg = to_object(compose(config_name="config", overrides=run["overrides"]))
+        plan = plan_memory(cfg, 1, device_for(cfg.plan, 1, ctx.device.type, 0 if ctx.cuda else None),
+                           trace=True)
+        entry = {"estimate_gib": plan.peak / 2**30, "peak_phase": plan.peak_phase,
+                 "measured_gib": run.get("mem/allocated_gib"), "fits": plan.fits}
+        if entry["measured_gib"]:
+            entry["estimate_over_measured"] = entry["estimate_gib"] / entry["measured_gib"]
         results[name] = entry
     return results
 
