@@ -319,7 +319,8 @@ class Trainer:
             # The tokenizer travels with the run, so evaluation and export need nothing else.
             self.tokenizer.save_pretrained(self.run_dir / "tokenizer")
             wandb_run, self.state.wandb_run_id = init_wandb(
-                cfg.logging.wandb, cfg.run_name, self.run_dir, resolved, self.state.wandb_run_id)
+                cfg.logging.wandb, cfg.run_name, self.run_dir, resolved, self.state.wandb_run_id,
+                step=self.state.step)
         self.state.wandb_run_id = D.broadcast_object(self.state.wandb_run_id, info)
         logger = MetricsLogger(self.run_dir, info.is_main, t.max_steps,
                                cfg.logging.progress_bar, wandb_run, self.state.step)
