@@ -120,6 +120,9 @@ class Trainer:
         if t.num_threads > 0:  # a negative value is reported by validate() below
             torch.set_num_threads(t.num_threads)
         self.info = D.init_distributed(t.device, t.dist_timeout_s)
+        from scape_train.preflight import check_preconditions
+
+        check_preconditions(cfg, self.info)   # every cheap check, reported together; writes nothing
         validate(cfg, self.info.world_size)
         self.accum = grad_accum_steps(cfg, self.info.world_size)
         self.eval_tasks = None
