@@ -21,10 +21,11 @@ register_configs()
 def user_errors() -> tuple[type[BaseException], ...]:
     from scape_train.checkpoint import CheckpointError
     from scape_train.config import ConfigError
+    from scape_train.tracking import WandbError
     from scape_train.train import NonFiniteLossError
 
     return (ConfigError, CheckpointError, NonFiniteLossError, ValueError, FileNotFoundError,
-            ConnectionError)
+            ConnectionError, WandbError)
 
 
 # What gloo / NCCL / the rendezvous store say when another rank died or stopped answering.
@@ -68,6 +69,14 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from scape_train.config import override_key_problems
+
+    # Hydra reports a typo'd key without the closest valid one, and lets +new.key=... through to
+    # --cfg/--help unchecked: both are refused here first, naming the key and the closest one.
+    problems = override_key_problems(sys.argv[1:])
+    if problems:
+        print("scape_train: error: " + "\n".join(problems), file=sys.stderr)
+        sys.exit(1)
     _hydra_main()
 
 

@@ -3,12 +3,14 @@
 Each component owns its dataclass (``models/config.py``, ``data/config.py``, ``optim/config.py``,
 ``eval/config.py``); this file adds the trainer's, logging's and the root, registers the schema
 with Hydra's ConfigStore, and validates cross-component values before any work starts. Struct mode
-makes an unknown key an error at composition time.
+makes an unknown key an error at composition time; a key appended with ``+key=...`` (which struct
+mode lets through) is refused by ``to_object`` and, on the command line, by ``override_key_problems``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -24,24 +26,24 @@ from scape_train.plan.config import PlanConfig
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 400
+    max_steps: int = 400              # optimizer steps of the whole run (the lr schedule's length)
     stop_after: int = 0               # end this invocation after N more steps (checkpointed), for
                                       # time-sliced jobs; the schedule still runs to max_steps
     micro_batch_size: int = 8         # sequences per rank per forward
     global_batch_size: int = 0        # sequences per optimizer step; 0 = micro * world (no accum)
     lr_schedule: str = "cosine"       # cosine | wsd | constant
-    warmup_steps: int = 40
+    warmup_steps: int = 40            # linear lr warmup, in [0, max_steps]
     decay_steps: int = 0              # wsd: length of the final decay; 0 = 20% of max_steps
-    log_every: int = 10
+    log_every: int = 10               # metrics.jsonl / W&B / progress bar every N steps
     eval_every: int = 100             # validation loss every N steps (0 = only at the end)
     eval_batches: int = 0             # 0 = the whole fixed validation set
     checkpoint_every: int = 200       # 0 = only at the end
-    keep_last: int = 3
+    keep_last: int = 3                # checkpoints kept (older ones are pruned)
     precision: str = "auto"           # auto (bf16 where supported, GPU) | fp32 | bf16
-    compile: bool = False
-    activation_checkpointing: bool = False
-    seed: int = 1337
-    deterministic: bool = False
+    compile: bool = False             # torch.compile the model
+    activation_checkpointing: bool = False  # recompute each block in backward (less memory)
+    seed: int = 1337                  # model init and dropout (data order: data.seed)
+    deterministic: bool = False       # torch.use_deterministic_algorithms (slower)
     device: str = "auto"              # auto | cpu | cuda
     nan_policy: str = "stop"          # stop | skip
     max_nan_skips: int = 10           # with skip: stop after this many skipped steps in a row
@@ -52,22 +54,22 @@ class TrainerConfig:
 @dataclass
 class WandbConfig:
     mode: str = "offline"             # online | offline | disabled
-    project: str = "scape_train"
-    entity: Optional[str] = None
+    project: str = "scape_train"      # W&B project
+    entity: Optional[str] = None      # W&B team or user; None = your default
     name: Optional[str] = None        # default: run_name
-    group: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
+    group: Optional[str] = None       # W&B run group (e.g. one per model size)
+    tags: List[str] = field(default_factory=list)  # W&B tags
 
 
 @dataclass
 class LoggingConfig:
-    progress_bar: bool = True
+    progress_bar: bool = True         # tqdm bar on rank 0 (false: a log line per log step)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
 class Config:
-    run_name: str = "default"
+    run_name: str = "default"         # names outputs/<run_name>/<timestamp> and the W&B run
     run_dir: Optional[str] = None     # None: outputs/<run_name>/<timestamp> (agreed by all ranks)
     resume: str = "none"              # none | auto | <checkpoint dir>
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -83,14 +85,13 @@ class Config:
 def register_configs() -> None:
     """Register the schemas so YAML groups are merged onto typed, struct-mode nodes."""
     cs = ConfigStore.instance()
+    # The root schema types every group's node (``model: ModelConfig`` ...), so a group file is
+    # merged onto its dataclass without a per-group "schema" entry (which would show up as a
+    # fake option in ``--help`` and in ``model=<TAB>``).
     cs.store(name="base_config", node=Config)
-    cs.store(group="model", name="schema", node=ModelConfig)
-    cs.store(group="data", name="schema", node=DataConfig)
-    cs.store(group="optimizer", name="schema", node=OptimizerConfig)
-    cs.store(group="strategy", name="schema", node=StrategyConfig)
-    cs.store(group="trainer", name="schema", node=TrainerConfig)
-    cs.store(group="logging", name="schema", node=LoggingConfig)
-    cs.store(group="eval", name="schema", node=EvalConfig)
+    from scape_train.cli_help import register_help_resolver
+
+    register_help_resolver()
 
 
 class ConfigError(ValueError):
@@ -103,19 +104,108 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def to_object(cfg: DictConfig | Config) -> Config:
-    """A typed ``Config`` from Hydra's node (or an already-typed one)."""
+    """A typed ``Config`` from Hydra's node (or an already-typed one).
+
+    Keys appended with ``+key=value`` (or ``++``) bypass struct mode at composition; one that no
+    schema has is refused here, like a typo, naming the closest valid key."""
     if isinstance(cfg, Config):
         return cfg
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigError("; ".join(unknown))
     return OmegaConf.to_object(cfg)
 
 
+def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """A message per key of ``node`` (recursively) that its dataclass schema does not have."""
+    import dataclasses
+    import difflib
+
+    out = []
+    schema = OmegaConf.get_type(node)
+    fields = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if fields is not None and key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
+            hint = (f"did you mean {prefix}{close[0]}?" if close
+                    else f"the keys of {prefix.rstrip('.') or 'the root'} are {', '.join(fields)}")
+            out.append(f"unknown key {full!r}: {schema.__name__} has no field {str(key)!r} (a key "
+                       f"appended with +{full}=... must still be one the schema has); {hint}")
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none() \
+                and not child._is_interpolation():
+            out.extend(unknown_keys(child, f"{full}."))
+    return out
+
+
+_CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def override_key_problems(args: list[str]) -> list[str]:
+    """A message per command-line override whose key no schema has (``a.b=1``, ``+a.b=1``,
+    ``++a.b=1``), naming the closest valid key; checked before Hydra composes anything."""
+    import dataclasses
+    import difflib
+    import typing
+
+    from scape_train.cli_help import dataclass_of
+
+    out = []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0].lstrip("+")
+        if "@" in key or key.startswith(("hydra.", "hydra/", "~")) or key == "hydra":
+            continue   # Hydra's own keys and deletions are Hydra's to check
+        if "." not in key and (_CONFIG_DIR / key).is_dir():
+            continue   # a group choice (model=..., +experiment=...): Hydra checks the option
+        schema, done = Config, []
+        for part in key.split("."):
+            fields = [f.name for f in dataclasses.fields(schema)]
+            if part not in fields:
+                where = ".".join(done)
+                close = difflib.get_close_matches(part, fields, n=1, cutoff=0.5)
+                hint = (f"did you mean {'.'.join(done + [close[0]])}?" if close
+                        else f"the keys of {where or 'the root'} are {', '.join(fields)}")
+                out.append(f"unknown key {key!r} in {arg!r}: {schema.__name__} has no field "
+                           f"{part!r}; {hint}")
+                break
+            done.append(part)
+            schema = dataclass_of(typing.get_type_hints(schema).get(part))
+            if schema is None:     # a leaf, or a free-form dict (eval.local_data.TASK)
+                break
+    return out
+
+
 def validate(cfg: Config, world_size: int = 1) -> None:
-    """Cross-component checks with messages that say what to change."""
+    """Cross-component checks with messages that say what to change; every problem at once."""
+    problems = config_problems(cfg, world_size)
+    if problems:
+        raise ConfigError(format_problems(problems))
+
+
+def format_problems(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    return (f"{len(problems)} problems, all found before any work started:\n"
+            + "\n".join(f"  - {p}" for p in problems))
+
+
+def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
+    """Every cross-component problem of ``cfg`` (no I/O), each a message that says what to change."""
+    problems: list[str] = []
+
+    def _check(cond: bool, msg: str) -> None:  # collects instead of raising on the first
+        if not cond:
+            problems.append(msg)
+
     t, m, d, o = cfg.trainer, cfg.model, cfg.data, cfg.optimizer
     _check(t.max_steps > 0, f"trainer.max_steps must be > 0, got {t.max_steps}")
     _check(t.micro_batch_size > 0, f"trainer.micro_batch_size must be > 0, got {t.micro_batch_size}")
     per_step = t.micro_batch_size * world_size
-    if t.global_batch_size:
+    if t.global_batch_size and per_step > 0:
         _check(t.global_batch_size % per_step == 0,
                f"trainer.global_batch_size={t.global_batch_size} must be a multiple of "
                f"micro_batch_size ({t.micro_batch_size}) x world size ({world_size}) = {per_step}")
@@ -155,16 +245,27 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(d.num_workers >= 0 and d.prefetch >= 1,
            f"data.num_workers must be >= 0 and data.prefetch >= 1, got {d.num_workers}, {d.prefetch}")
     _check(bool(d.text_field), "data.text_field must name the records' text field, e.g. text")
+    _check(o.name not in ("scape", "topk_adamw") or o.density_schedule == "constant"
+           or o.density_warmup_steps <= t.max_steps,
+           f"optimizer.density_warmup_steps={o.density_warmup_steps} is longer than the run "
+           f"(trainer.max_steps={t.max_steps}): the density would never reach optimizer.density="
+           f"{o.density}; lower optimizer.density_warmup_steps (the paper warms up over 10% of the "
+           "steps) or raise trainer.max_steps")
     # Each component's own checks, now rather than after minutes of tokenizer training.
     from scape_train.models.build import resolve_config
     from scape_train.optim import validate as validate_optimizer
 
-    resolve_config(m, vocab_size=m.vocab_size or 1)
-    validate_optimizer(o)
+    components = [lambda: resolve_config(m, vocab_size=m.vocab_size or 1), lambda: validate_optimizer(o)]
     if cfg.strategy.name != "data_parallel":
         from scape_train.optim.local import validate as validate_strategy
 
-        validate_strategy(cfg.strategy, o, world_size)
+        components.append(lambda: validate_strategy(cfg.strategy, o, world_size))
+    for component in components:
+        try:
+            component()
+        except (ValueError, ArithmeticError, TypeError) as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:

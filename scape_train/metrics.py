@@ -126,6 +126,11 @@ class MetricsLogger:
                  wandb_run=None, start_step: int = 0):
         self.is_main, self.wandb_run = is_main, wandb_run
         self.path = Path(run_dir) / "metrics.jsonl"
+        if is_main:   # a resumed run continues one record: the steps it replays are dropped first
+            dropped = truncate_metrics(self.path, start_step)
+            if dropped:
+                log.info("metrics.jsonl: dropped %d rows logged after step %d (replayed now)",
+                         dropped, start_step)
         self._file = open(self.path, "a") if is_main else None
         self.bar = None
         if is_main and progress_bar:
@@ -172,6 +177,53 @@ def _fmt(v: Any) -> str:
 def read_metrics(path: Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def continued_rows(path: Path, step: int) -> list[dict]:
+    """The rows of one continuous record up to ``step``: rows after it are dropped (a run that
+    resumes from the checkpoint of ``step`` logs them again), and so are rows an earlier resume
+    replayed (a row whose step goes back replaces everything logged from that step on), and a
+    torn last line left by a crash."""
+    rows: list[dict] = []
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+            s = int(row["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if rows and s < rows[-1]["step"]:
+            rows = [r for r in rows if r["step"] < s]
+        rows.append(row)
+    return [r for r in rows if r["step"] <= step]
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Rewrite ``path`` as ``continued_rows(path, step)``, atomically (a temporary file, fsync,
+    rename); untouched when nothing is dropped. Rank 0 only. Returns the rows dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    total = sum(1 for line in path.read_bytes().splitlines() if line.strip())
+    keep = continued_rows(path, step)
+    if len(keep) == total:
+        return 0
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return total - len(keep)
 
 
 def plot_loss_curve(metrics_path: Path, out_png: Path) -> Path:

@@ -121,6 +121,9 @@ class Trainer:
         if t.num_threads > 0:  # a negative value is reported by validate() below
             torch.set_num_threads(t.num_threads)
         self.info = D.init_distributed(t.device, t.dist_timeout_s)
+        from scape_train.preflight import check_preconditions
+
+        check_preconditions(cfg, self.info)   # every cheap check, reported together; writes nothing
         validate(cfg, self.info.world_size)
         check_memory(cfg, self.info)  # the memory plan: refuse what cannot fit, before any work
         self.accum = grad_accum_steps(cfg, self.info.world_size)
@@ -322,7 +325,8 @@ class Trainer:
             # The tokenizer travels with the run, so evaluation and export need nothing else.
             self.tokenizer.save_pretrained(self.run_dir / "tokenizer")
             wandb_run, self.state.wandb_run_id = init_wandb(
-                cfg.logging.wandb, cfg.run_name, self.run_dir, resolved, self.state.wandb_run_id)
+                cfg.logging.wandb, cfg.run_name, self.run_dir, resolved, self.state.wandb_run_id,
+                step=self.state.step)
         self.state.wandb_run_id = D.broadcast_object(self.state.wandb_run_id, info)
         logger = MetricsLogger(self.run_dir, info.is_main, t.max_steps,
                                cfg.logging.progress_bar, wandb_run, self.state.step)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One node, all its GPUs (or NPROC CPU processes on gloo). Arguments go to Hydra:
 #   scripts/launch_torchrun.sh +experiment=llama500m_s99 trainer.max_steps=10000
-#   NPROC=4 scripts/launch_torchrun.sh +experiment=tiny_scape99      # 4 ranks on a CPU machine
+#   NPROC=4 scripts/launch_torchrun.sh +experiment=tiny_s99          # 4 ranks on a CPU machine
 # NPROC defaults to the number of visible GPUs (1 if none).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -103,10 +103,16 @@ def _lines(path: Path) -> int:
 
 def metrics_lines(run_dir, n: int) -> Trigger:
     """True once ``metrics.jsonl`` got more than ``n`` lines beyond those it holds now (an
-    earlier attempt's lines do not count): this attempt is training."""
+    earlier attempt's lines do not count): this attempt is training. A resumed run first drops
+    the rows logged after its checkpoint (the file shrinks): lines count from there."""
     path = Path(run_dir) / "metrics.jsonl"
-    before = _lines(path)
-    return lambda: _lines(path) - before > n
+    base = [_lines(path)]
+
+    def check() -> bool:
+        now = _lines(path)
+        base[0] = min(base[0], now)
+        return now - base[0] > n
+    return check
 
 
 def after_delay(first: Trigger, delay_s: float) -> Trigger:

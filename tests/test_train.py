@@ -12,7 +12,7 @@ import torch
 from scape_train.checkpoint import CheckpointError, CheckpointManager
 from scape_train.train import NonFiniteLossError, run
 from tests._dist import run_distributed
-from tests.helpers import SMALL, compose_config
+from tests.helpers import SMALL, compose_config, wandb_config_keys, wandb_history
 
 
 
@@ -107,15 +107,31 @@ def test_ddp_two_ranks_one_run_dir(tmp_path, tok_cache):
 
 
 def test_wandb_offline_logs_config_and_resumes_same_run(tmp_path, tok_cache):
-    """W&B offline: the run id is saved in the checkpoint and reused on resume."""
-    first = run(job(tmp_path, tok_cache, "trainer.max_steps=4", "trainer.stop_after=2",
-                    "logging.wandb.mode=offline"))
+    """W&B offline: the run id is saved in the checkpoint and reused on resume, and a resumed run
+    continues one record: after a crash past the last checkpoint (steps 4-6 logged, checkpoint
+    3), metrics.jsonl and the one offline W&B directory hold each step once."""
+    import shutil
+
+    args = ["trainer.max_steps=6", "trainer.checkpoint_every=3", "logging.wandb.mode=offline"]
+    run(job(tmp_path, tok_cache, *args))
     mgr = CheckpointManager(tmp_path / "checkpoints", None)
+    shutil.rmtree(mgr.latest_valid())                 # the crash: step 6 was never saved
     run_id = json.loads((mgr.latest_valid() / "manifest.json").read_text())["meta"]["wandb_run_id"]
-    assert first["stopped_early"] and len(run_id) == 8
-    run(job(tmp_path, tok_cache, "trainer.max_steps=4", "resume=auto", "logging.wandb.mode=offline"))
+    assert len(run_id) == 8 and mgr.latest_valid().name == "step_00000003"
+    first = losses(tmp_path)
+    run(job(tmp_path, tok_cache, *args, "resume=auto"))
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in rows if "loss" in r]
+    assert train_steps == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "val_loss" in r] == [6]
+    assert losses(tmp_path) == first                  # the replayed steps, bit for bit
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)
+    assert len(runs) == 1 and runs[0].name.endswith(run_id)
+    history = wandb_history(runs[0])
+    assert [h["_step"] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert {h["_step"]: h["loss"] for h in history} == first
+    assert history[-1]["val_loss"] == rows[-1]["val_loss"]
+    assert {"model", "optimizer", "trainer"} <= wandb_config_keys(runs[0])
     final = json.loads((mgr.latest_valid() / "manifest.json").read_text())["meta"]
     assert final["wandb_run_id"] == run_id
 

@@ -27,14 +27,14 @@ class DataConfig:
     name: Optional[str] = None        # hub config name
     data_dir: Optional[str] = None    # hub: sub-directory holding the data (e.g. a parquet branch's config)
     val_path: Optional[str] = None    # local: validation file/glob/dir (default: files named like val_split)
-    text_field: str = "text"
-    train_split: str = "train"
+    text_field: str = "text"          # the records' field holding the text
+    train_split: str = "train"        # hub split; local: files/dirs named after it
     val_split: Optional[str] = "validation"   # None: hold out the first val_docs documents
-    val_docs: int = 200
+    val_docs: int = 200               # with val_split=null: documents held out for validation
     val_tokens: int = 65536           # fixed validation set size, in tokens
-    seq_len: int = 256
+    seq_len: int = 256                # tokens per training sequence (<= model.max_seq_len)
     shuffle_buffer: int = 0           # 0 = stream order; N = shuffle windows of N documents
     num_workers: int = 1              # 0 = in the trainer's thread; N = a background thread (+ N-1 tokenizer threads)
     prefetch: int = 8                 # batches queued ahead by the background thread
-    seed: int = 1234
+    seed: int = 1234                  # data order: shard order and shuffle windows
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
-import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,16 +201,10 @@ def prepare_tasks(cfg: EvalConfig) -> TaskSetup:
 
 # -- loading (downloads happen here) -----------------------------------------------------------
 
-def _hub_reachable(timeout_s: float = 5.0) -> bool:
-    from scape_train.data.hub import _probe_target, offline_mode
+def _hub_reachable() -> bool:
+    from scape_train.data.hub import hub_problem
 
-    if offline_mode():
-        return False
-    try:
-        socket.create_connection(_probe_target(), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
+    return hub_problem() is None     # one probe per process, shared with the start-up check
 
 
 @contextlib.contextmanager

@@ -11,25 +11,25 @@ from typing import List
 class OptimizerConfig:
     name: str = "adamw"               # adamw | adams | scape | topk_adamw | powersgd
     lr: float = 1e-3                  # peak lr; the trainer's schedule scales it
-    min_lr: float = 1e-4
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    min_lr: float = 1e-4              # lr at the end of the cosine / wsd decay
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam (beta1, beta2)
+    eps: float = 1e-8                 # Adam denominator epsilon (scape needs > 0)
+    weight_decay: float = 0.1         # decoupled weight decay
     clip_grad: float = 1.0            # 0 = off
     bias_correction: str = "adam"     # AdamS: adam | official | none
-    foreach: bool = True
+    foreach: bool = True              # torch's multi-tensor (foreach) kernels
     # SCAPE / top-k
     density: float = 0.1              # fraction communicated (0.01 = 99% sparsity)
     density_warmup_steps: int = 0     # geometric warmup from 1.0; 0 = constant
     density_schedule: str = "geometric"   # geometric | constant
     partitioner: str = "tensor"       # tensor | flat
     sharded: bool = False             # ZeRO-1 state (spec section 3)
-    exclude_norm_bias: bool = True
-    offload_residuals: bool = False
-    offload_chunk_numel: int = 1 << 22
+    exclude_norm_bias: bool = True    # scape/top-k: 1-D tensors (biases, norm gains) travel dense
+    offload_residuals: bool = False   # scape: per-rank residuals in host memory
+    offload_chunk_numel: int = 1 << 22  # offload: elements per double-buffered copy
     use_triton: str = "auto"          # auto | on | off
     mask_coding: str = "auto"         # auto (smallest per segment) | bitmap | indices | elias_fano
     payload_dtype: str = "fp32"       # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 (error feedback)
     # PowerSGD baseline
-    powersgd_rank: int = 4
-    powersgd_start_iter: int = 10
+    powersgd_rank: int = 4            # PowerSGD baseline: rank of the low-rank approximation
+    powersgd_start_iter: int = 10     # PowerSGD: dense steps before compression (>= 2)

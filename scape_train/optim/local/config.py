@@ -17,7 +17,7 @@ class StrategyConfig:
     round_budget_s: float = 0.0       # > 0: rounds bounded by wall-clock; slow workers take fewer steps
     outer_lr: float = 0.7             # eta
     outer_momentum: float = 0.9       # mu (DiLoCo) / gamma (GASLoC)
-    outer_state_on_cpu: bool = False
+    outer_state_on_cpu: bool = False  # keep the outer optimizer's state in host memory
     mix_momentum: bool = True         # ablation: False mixes y and adds the momentum term after
     seed: int = 0                     # the mixing graph's RNG seed (with the round number)
     max_rounds: Optional[int] = None  # informational: the run ends at trainer.max_steps, i.e.
