@@ -263,7 +263,7 @@ def _train(ctx: Ctx, run_dir: Path, extra: list[str], steps: int) -> dict:
                  "trainer.warmup_steps=2", "trainer.log_every=5", "trainer.eval_every=0",
                  "trainer.checkpoint_every=0", "trainer.global_batch_size=0", "eval.enabled=false",
                  "logging.wandb.mode=disabled", "logging.progress_bar=false",
-                 "optimizer.density_warmup_steps=5", f"run_dir={run_dir}", *extra]
+                 f"optimizer.density_warmup_steps={max(1, steps // 4)}", f"run_dir={run_dir}", *extra]
     if ctx.smoke:
         overrides += ["model=llama_tiny", "data.seq_len=64", "model.max_seq_len=64",
                       "trainer.micro_batch_size=2", "trainer.device=cpu", "plan.check=off"]
