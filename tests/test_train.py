@@ -102,8 +102,9 @@ def test_ddp_two_ranks_one_run_dir(tmp_path, tok_cache):
     assert results[0][0] == 4
     assert (tmp_path / "metrics.jsonl").exists()
     ckpt = CheckpointManager(tmp_path / "checkpoints", None).latest_valid()
-    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "model.pt",
-                                                      "rank_00000.pt", "rank_00001.pt"]
+    # replicated state (model, optimizer under DDP, counters) once, per-rank state by each rank
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "model.pt", "rank_00000.pt",
+                                                      "rank_00001.pt", "replicated.pt"]
 
 
 def test_wandb_offline_logs_config_and_resumes_same_run(tmp_path, tok_cache):

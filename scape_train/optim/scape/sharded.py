@@ -143,14 +143,28 @@ class ShardedScape:
         return torch.cat([out[r * width: r * width + n] for r, n in enumerate(lengths)])
 
     def full_state(self) -> dict[str, torch.Tensor]:
+        """The full flat state, gathered from the owners (tests and the in-memory ``state_dict``
+        only: checkpoints write each owner's range instead, see :meth:`checkpoint_tensors`)."""
         return {"momentum": self._gather_owned(self.m), "shared_residual": self._gather_owned(self.rho),
                 "residual": self.residual.full()}
 
-    def load_full_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
-                        residual: torch.Tensor | None) -> None:
-        self.m.copy_(momentum[self.lo:self.hi])
+    @property
+    def state_range(self) -> tuple[int, int]:
+        """The flat range of ``m`` and ``ρ`` this rank owns."""
+        return self.lo, self.hi
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live state by kind, not copied and never gathered: ``m`` and ``ρ`` over the owned
+        range (owner-sharded), the full-size ``ε`` of this rank (per rank)."""
+        return {"replicated": {}, "sharded": {"momentum": self.m, "shared_residual": self.rho},
+                "per_rank": {"residual": self.residual.tensor()}}
+
+    def load_range_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
+                         residual: torch.Tensor | None) -> None:
+        """``momentum`` and ``shared`` over the owned range; ``residual`` full, or None to reset."""
+        self.m.copy_(momentum)
         if shared is not None:
-            self.rho.copy_(shared[self.lo:self.hi])
+            self.rho.copy_(shared)
         else:                         # from a replicated checkpoint: ρ = 0, ε = e
             self.rho.zero_()
         if residual is not None:
