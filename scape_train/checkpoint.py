@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from scape_train.checkpoint_layout import (MODEL_FILE, REPLICATED_FILE, FlatShard, StateParts,
-                                           assemble_range, checkpoint_files, file_bytes, rank_file)
+                                           assemble_range, checkpoint_files, file_bytes, rank_file,
+                                           shard_file)
 from scape_train.distributed import DistInfo, barrier
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ FORMAT = 2          # 1 (no "format" key): every rank's file held its full state
 class CheckpointError(RuntimeError):
     pass
 
-
-_rank_file = rank_file
 
 
 def _sha256(path: Path) -> str:
@@ -79,6 +78,13 @@ def _load_tensors(path: Path, mmap: bool = False) -> Any:
             f"{path} holds objects other than tensors and plain containers; refused to load it "
             f"(weights_only=True), since unpickling them could run code. Only resume from "
             f"checkpoints this trainer wrote. ({str(exc).splitlines()[0]})") from exc
+
+
+def _check_digest(path: Path, name: str, files: dict[str, str]) -> None:
+    if name not in files:
+        raise CheckpointError(f"{path}: the manifest lists no {name}")
+    if _sha256(path / name) != files[name]:
+        raise CheckpointError(f"{path}: {name} does not match its checksum (corrupted)")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -116,9 +122,9 @@ class CheckpointManager:
             files.pop(REPLICATED_FILE, None)
         report: dict[str, Any] = {"files": {}, "bytes": file_bytes(files), "shards": {}}
         if sharded is not None and sharded.numel:
-            name = next(n for n in files if n.startswith("shard_"))
-            report["shards"][name] = {"lo": sharded.lo, "hi": sharded.hi, "total": sharded.total,
-                                      "tensors": sorted(sharded.tensors)}
+            report["shards"][shard_file(self.info.rank)] = {
+                "lo": sharded.lo, "hi": sharded.hi, "total": sharded.total,
+                "tensors": sorted(sharded.tensors)}
         try:
             for name, obj in files.items():
                 _atomic_torch_save(obj, tmp / name)
@@ -181,19 +187,20 @@ class CheckpointManager:
                       if p.is_dir() and p.suffix == "" and (p / MANIFEST).exists())
 
     @staticmethod
-    def verify(path: Path) -> dict:
-        """The manifest of a checkpoint whose files all match their checksums; raises otherwise."""
+    def verify(path: Path, names: list[str] | None = None) -> dict:
+        """The manifest of a checkpoint whose files all exist and match their checksums (only
+        ``names`` are hashed when given); raises otherwise."""
         path = Path(path)
         try:
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: unreadable manifest ({exc})") from exc
-        for name, digest in manifest.get("files", {}).items():
-            f = path / name
-            if not f.exists():
+        files = manifest.get("files", {})
+        for name in files:
+            if not (path / name).exists():
                 raise CheckpointError(f"{path}: missing {name}")
-            if _sha256(f) != digest:
-                raise CheckpointError(f"{path}: {name} does not match its checksum (corrupted)")
+        for name in files if names is None else names:
+            _check_digest(path, name, files)
         return manifest
 
     def latest_valid(self) -> Path | None:
@@ -215,16 +222,26 @@ class CheckpointManager:
         rank 0's; ``resharded`` tells the caller so it can reset per-rank parts.
         """
         path = Path(path)
-        manifest = self.verify(path)
-        model_state = _load_tensors(path / MODEL_FILE)
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: unreadable manifest ({exc})") from exc
         files = manifest.get("files", {})
-        replicated = _load_tensors(path / REPLICATED_FILE) if REPLICATED_FILE in files else {}
         saved_world = manifest["world_size"]
         src = self.info.rank if self.info.rank < saved_world else 0
-        per_rank = _load_tensors(path / _rank_file(src))
+        # Hash what this rank reads (latest_valid() checked every file already); shard files
+        # are hashed when first opened.
+        mine = [n for n in (MODEL_FILE, REPLICATED_FILE, rank_file(src)) if n in files]
+        self.verify(path, mine)
+        if MODEL_FILE not in files or rank_file(src) not in files:
+            raise CheckpointError(f"{path}: the manifest lists no {MODEL_FILE} or "
+                                  f"{rank_file(src)}")
+        model_state = _load_tensors(path / MODEL_FILE)
+        replicated = _load_tensors(path / REPLICATED_FILE) if REPLICATED_FILE in files else {}
+        per_rank = _load_tensors(path / rank_file(src))
         return LoadedCheckpoint(path, manifest, model_state, replicated, per_rank,
                                 saved_world != self.info.world_size,
-                                ShardReader(path, manifest.get("shards", {})))
+                                ShardReader(path, manifest.get("shards", {}), files))
 
     def load(self, path: Path) -> tuple[dict, dict, dict]:
         """(manifest, model_state, rank_state) for this rank: :meth:`open`'s per-rank part with
@@ -240,13 +257,15 @@ class ShardReader:
     tensor, assembled from the owners' files that overlap it (memory-mapped: only the slices
     needed are read), whatever the world size and partition that wrote them."""
 
-    def __init__(self, path: Path, entries: dict[str, dict]):
+    def __init__(self, path: Path, entries: dict[str, dict], digests: dict[str, str]):
         self.path = Path(path)
         self.entries = sorted(entries.items(), key=lambda kv: kv[1]["lo"])
+        self.digests = digests
         self._open: dict[str, dict] = {}
 
     def _tensors(self, name: str) -> dict:
         if name not in self._open:
+            _check_digest(self.path, name, self.digests)
             data = _load_tensors(self.path / name, mmap=True)
             self._open[name] = data["tensors"]
         return self._open[name]

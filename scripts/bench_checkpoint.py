@@ -143,7 +143,10 @@ load every rank reads `model.pt` and `replicated.pt`, its own rank file (another
 `resharded`, when the world size changed: per-rank residuals are then reset with a warning), and
 from the shard files only the flat range it holds now -- so SCAPE sharded and replicated modes load
 each other's checkpoints at any world size, and a sharded checkpoint reshards onto another
-partition. Checkpoints of the earlier layout (everything in the rank files) still load.
+partition. Checkpoints of the earlier layout (everything in the rank files) still load. Choosing
+the checkpoint to resume from (`latest_valid`) hashes every file on every rank, so that all ranks
+agree to skip a corrupted one; opening it then hashes only the files the rank reads (shard files
+when first read).
 
 ## Llama-1.8B ({n_params:,} parameters), bytes per checkpoint
 

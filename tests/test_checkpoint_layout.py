@@ -234,3 +234,21 @@ def test_checkpoint_of_the_earlier_layout_still_loads(tmp_path, name):
             return len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
         return torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
     assert same(a, b)
+
+
+def test_a_corrupted_shard_is_refused_when_read(saved, tmp_path):
+    import shutil
+
+    from scape_train.checkpoint import CheckpointError
+
+    root, _ = saved
+    src = CheckpointManager(root / "w4" / "scape_sh", None).latest_valid()
+    path = tmp_path / src.name
+    shutil.copytree(src, path)
+    with open(path / "shard_00002.pt", "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00\xff\x00\xff")
+    strategy, _, _ = make(_cfg("scape_sh"), width=WIDTH)    # one process: reads every shard
+    with pytest.raises(CheckpointError, match="shard_00002.pt does not match its checksum"):
+        _load(strategy, path, 0, 1)
+    assert CheckpointManager(tmp_path, None).latest_valid() is None   # and is skipped as a whole
