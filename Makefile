@@ -32,6 +32,7 @@ bench: bench-cpu bench-net
 bench-cpu:
 	$(VENV)/bin/python scripts/bench_data.py
 	$(VENV)/bin/python scripts/bench_volume.py
+	$(VENV)/bin/python scripts/bench_checkpoint.py
 	$(VENV)/bin/python scripts/bench_optim.py
 	$(VENV)/bin/python scripts/bench_quality.py --steps 200 --seq-len 128 --density-warmup 40
 	$(VENV)/bin/python scripts/cost_model.py

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from scape_train import distributed as D
 from scape_train.checkpoint import CheckpointError, CheckpointManager, find_checkpoint
+from scape_train.checkpoint_layout import StateParts, trainer_parts
 from scape_train.config import Config, grad_accum_steps, validate
 from scape_train.metrics import (MetricsLogger, StepTimer, memory_metrics, peak_flops,
                                  plot_loss_curve, read_on_host)
@@ -217,7 +218,8 @@ class Trainer:
         path = self._resume_path()
         if path is None:
             return
-        manifest, model_state, rank_state = self.ckpt.load(path)
+        ckpt = self.ckpt.open(path)
+        manifest = ckpt.manifest
         meta = manifest["meta"]
         ours = self._meta()
         if meta["tokenizer_fingerprint"] != ours["tokenizer_fingerprint"]:
@@ -228,14 +230,20 @@ class Trainer:
                     if meta["model"].get(k) != v}
             raise CheckpointError(f"{path} was trained with another model shape "
                                   f"(checkpoint vs now: {diff}); nothing was loaded or overwritten")
-        self.model.load_state_dict(model_state)
-        if rank_state["resharded"]:
+        self.model.load_state_dict(ckpt.model)
+        if ckpt.resharded:
             log.warning("resuming %s saved with world size %d on world size %d", path,
                         manifest["world_size"], self.info.world_size)
-        self.strategy.load_state_dict(rank_state["optimizer"])
-        self.train_loader.load_state_dict(rank_state["data"])
-        set_rng_state(rank_state["rng"])
-        self.state = TrainState(**rank_state["train"])
+        # replicated: rank 0's (every rank's) part; per rank: this rank's; sharded: the owners'
+        # files, read for the range this rank holds now (checkpoints of the earlier layout hold
+        # everything in the rank files, which this reads just the same)
+        own = ckpt.per_rank
+        self.strategy.load_checkpoint_state(
+            StateParts(replicated=ckpt.replicated.get("optimizer", {}),
+                       per_rank=own.get("optimizer", {})), ckpt.shards)
+        self.train_loader.load_state_dict(own["data"])
+        set_rng_state(own["rng"])
+        self.state = TrainState(**(own["train"] if "train" in own else ckpt.replicated["train"]))
         log.info("resumed from %s at step %d", path, self.state.step)
 
     def save_checkpoint(self) -> Path:
@@ -247,15 +255,19 @@ class Trainer:
                 f"non-finite parameters after step {self.state.step}: not checkpointed. The last "
                 f"good checkpoint is {self.ckpt.latest_valid() or 'none'}; resume from it with "
                 "resume=auto, e.g. with a lower optimizer.lr or optimizer.clip_grad > 0.")
-        rank_state = {"optimizer": self.strategy.state_dict(), "data": self.train_loader.state_dict(),
-                      "rng": get_rng_state(), "train": dataclasses.asdict(self.state)}
-        model_state = ({k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-                       if self.info.is_main else None)
+        # Each piece once, by the rank that holds it: the strategy says which part of its state
+        # is replicated, owner-sharded or per rank; tensors go to disk from where they live.
+        parts = trainer_parts(self.strategy.checkpoint_state(), data=self.train_loader.state_dict(),
+                              rng=get_rng_state(), train=dataclasses.asdict(self.state),
+                              synchronous=self.strategy.synchronous)
+        model_state = self.model.state_dict() if self.info.is_main else None
         # Named by the step all ranks agree on (local-step strategies: rounds x H), since the
         # local step can differ between ranks.
         agreed = self.strategy.progress(self.state.step)
         return self.ckpt.save(self.state.step if agreed is None else agreed, model_state,
-                              rank_state, self._meta())
+                              parts.per_rank, self._meta(),
+                              replicated=parts.replicated if self.info.is_main else None,
+                              sharded=parts.sharded)
 
     # -- one step --------------------------------------------------------------------------
     def train_step(self, timer: StepTimer, stop: _StopSignal) -> dict[str, float]:

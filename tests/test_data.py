@@ -105,9 +105,27 @@ def test_ranks_split_files_disjoint_and_complete(tmp_path, world):
     assert not union & {"doc 0-0", "doc 0-1"}
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_resume_after_one_and_two_interruptions_is_exact(shared_data, gpt2, workers):
-    cfg = classics_cfg(shared_data, shuffle_buffer=16, num_workers=workers)
+@pytest.fixture(scope="module")
+def classics_parquet(shared_data, tmp_path_factory):
+    """The classics corpus as parquet files of many small row groups (a hub-like source)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = tmp_path_factory.mktemp("classics_parquet")
+    for split in ("train", "validation"):
+        rows = [json.loads(line) for line in open(shared_data / f"corpus/classics/{split}.jsonl",
+                                                  encoding="utf-8")]
+        pq.write_table(pa.Table.from_pylist(rows), out / f"{split}.parquet", row_group_size=64)
+    return out
+
+
+@pytest.mark.parametrize("workers,kind", [(1, "jsonl"), (2, "jsonl"), (1, "parquet"),
+                                          (2, "parquet")])
+def test_resume_after_one_and_two_interruptions_is_exact(shared_data, gpt2, workers, kind,
+                                                         request):
+    path = (shared_data / "corpus/classics" if kind == "jsonl"
+            else request.getfixturevalue("classics_parquet"))
+    cfg = classics_cfg(shared_data, shuffle_buffer=16, num_workers=workers, path=str(path))
     full = take(build_train_loader(cfg, gpt2, 3, rank=1, world_size=2), 30)
     got, state = [], None
     for n in (7, 11, 12):                      # two interruptions, each a fresh loader
@@ -140,6 +158,108 @@ def test_resume_across_epochs_and_shuffle_windows(tmp_path, gpt2):
         got += take(loader, n)
     loader.close()
     assert all(torch.equal(a, b) for a, b in zip(full, got)) and len(got) == 60
+
+
+def _parquet(path: Path, n: int, row_group: int) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"text": f"document {i}"} for i in range(n)]), path,
+                   row_group_size=row_group)
+    return path
+
+
+@pytest.fixture
+def tables_read(monkeypatch):
+    """Counts the tables (record batches: here one per row group) read from parquet files."""
+    from datasets.packaged_modules.parquet import parquet as pq_builder
+
+    count = [0]
+    real = pq_builder.Parquet._generate_tables
+
+    def counting(self, *args, **kwargs):
+        for item in real(self, *args, **kwargs):
+            count[0] += 1
+            yield item
+
+    monkeypatch.setattr(pq_builder.Parquet, "_generate_tables", counting)
+    return count
+
+
+def _cursor_after(cfg, n: int, window: int = 1) -> Cursor:
+    stream = DocStream(open_shards(cfg, cfg.train_split), 0, 1, seed=0, window=window, field="text")
+    for i, (_, _, after) in enumerate(stream.iter_docs(Cursor())):
+        if i + 1 == n:
+            return after
+    raise AssertionError("stream too short")
+
+
+@pytest.mark.parametrize("window", [1, 8])
+def test_parquet_resume_cost_does_not_grow_with_position(tmp_path, tables_read, window):
+    """Resuming near the end of a 40-row-group file reads as much as resuming at record 10: the
+    row group it lands in (and at most the one before), never the file from its start."""
+    cfg = DataConfig(source="local", path=str(_parquet(tmp_path / "train.parquet", 1000, 25)),
+                     val_split=None, val_docs=0)
+    reads, texts = {}, {}
+    for n in (10, 990):
+        cursor = _cursor_after(cfg, n, window)
+        expect = next(t for i, (t, _, _) in enumerate(DocStream(
+            open_shards(cfg, cfg.train_split), 0, 1, 0, window, "text").iter_docs(Cursor()))
+            if i == n)
+        tables_read[0] = 0
+        stream = DocStream(open_shards(cfg, cfg.train_split), 0, 1, seed=0, window=window,
+                           field="text")
+        texts[n] = next(stream.iter_docs(cursor))[0]
+        reads[n] = tables_read[0]
+        assert texts[n] == expect                       # exact: the very next document
+    assert reads[10] <= 2 and reads[990] <= reads[10] + 1, reads
+
+
+def test_stream_state_that_stops_advancing_cannot_break_resume(tmp_path, caplog):
+    """A ``datasets`` regression froze ``state_dict()`` after a resume (huggingface/datasets#8308):
+    such a state is dropped and the record index resumes, exactly, however many resumes follow."""
+    from scape_train.data import sources
+
+    class FrozenAfterResume:          # the bug, reproduced around a real streaming dataset
+        def __init__(self, ds):
+            self.ds, self.frozen = ds, None
+
+        def state_dict(self):
+            return self.frozen if self.frozen is not None else self.ds.state_dict()
+
+        def load_state_dict(self, state):
+            self.frozen = self.ds.state_dict()
+            self.ds.load_state_dict(state)
+
+        def __iter__(self):
+            return iter(self.ds)
+
+    cfg = DataConfig(source="local", path=str(_parquet(tmp_path / "train.parquet", 300, 20)),
+                     val_split=None, val_docs=0)
+    real_local_shard = sources._local_shard
+
+    def buggy(path):
+        shard = real_local_shard(path)
+        make = shard._factory
+        shard._factory = lambda: FrozenAfterResume(make())
+        return shard
+
+    def docs_from(cursor, n):
+        stream = DocStream([buggy(f) for f in sources._split_files(cfg, cfg.train_split)], 0, 1,
+                           seed=0, window=1, field="text")
+        out = []
+        for text, _, after in stream.iter_docs(cursor):
+            out.append(text)
+            if len(out) == n:
+                return out, after
+
+    straight, _ = docs_from(Cursor(), 250)
+    got, cursor = docs_from(Cursor(), 50)
+    for n in (100, 100):                               # two resumes, the second from a frozen state
+        more, cursor = docs_from(cursor, n)
+        got += more
+    assert got == straight
+    assert "did not advance after a resume" in caplog.text
 
 
 def test_bad_records_skipped_counted_and_stream_unchanged(tmp_path, gpt2):

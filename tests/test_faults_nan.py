@@ -33,9 +33,13 @@ def job(run_dir, cache, *extra):
 
 
 def ckpt(run_dir, step: int) -> tuple[dict, dict]:
+    """(model, rank 0's state): its own file and the replicated one (written once, by rank 0)."""
     path = Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+    own = torch.load(path / "rank_00000.pt", weights_only=True)
+    replicated = torch.load(path / "replicated.pt", weights_only=True)
     return (torch.load(path / "model.pt", weights_only=True),
-            torch.load(path / "rank_00000.pt", weights_only=True))
+            {"optimizer": {"replicated": replicated["optimizer"], "own": own["optimizer"]},
+             "data": own["data"], "train": replicated["train"]})
 
 
 def rows(run_dir) -> dict[int, dict]:

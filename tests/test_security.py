@@ -55,7 +55,7 @@ def _plant(checkpoint: Path, name: str, obj) -> None:
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("name", ["model.pt", "rank_00000.pt"])
+@pytest.mark.parametrize("name", ["model.pt", "replicated.pt", "rank_00000.pt"])
 def test_checkpoint_with_pickled_object_is_refused(tmp_path, cache, trained, name):
     import shutil
 

@@ -102,8 +102,9 @@ def test_ddp_two_ranks_one_run_dir(tmp_path, tok_cache):
     assert results[0][0] == 4
     assert (tmp_path / "metrics.jsonl").exists()
     ckpt = CheckpointManager(tmp_path / "checkpoints", None).latest_valid()
-    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "model.pt",
-                                                      "rank_00000.pt", "rank_00001.pt"]
+    # replicated state (model, optimizer under DDP, counters) once, per-rank state by each rank
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "model.pt", "rank_00000.pt",
+                                                      "rank_00001.pt", "replicated.pt"]
 
 
 def test_wandb_offline_logs_config_and_resumes_same_run(tmp_path, tok_cache):
@@ -144,8 +145,11 @@ def _scape_resume_job(rank, world, root, tok_cache, extra):
     return True
 
 
-@pytest.mark.parametrize("extra", [[], ["optimizer.sharded=true", "optimizer.partitioner=flat"]],
-                         ids=["replicated", "sharded"])
+@pytest.mark.parametrize("extra", [
+    [], ["optimizer.sharded=true", "optimizer.partitioner=flat"],
+    # the wire format's owner-range update residual goes through the checkpoint's shard files
+    ["optimizer.sharded=true", "optimizer.partitioner=flat", "optimizer.payload_dtype=bf16",
+     "optimizer.mask_coding=indices"]], ids=["replicated", "sharded", "sharded-bf16-indices"])
 def test_scape_two_ranks_exact_resume(tmp_path, tok_cache, extra):
     """A 2-rank SCAPE run: 2N steps == N + resume + N, bit for bit (losses and parameters)."""
     run_distributed(_scape_resume_job, 2, (str(tmp_path), tok_cache, extra))

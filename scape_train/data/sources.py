@@ -1,21 +1,35 @@
 """Document streams: hub datasets and local files behind one resumable, per-rank cursor.
 
-A source is a list of *shards* (one hub shard, or one local file), each read from an opaque
-position (a byte offset for JSON lines, a record index otherwise). Hub sources and local
+A source is a list of *shards* (one hub shard, or one local file), each read from a position (a
+byte offset for JSON lines, a record index otherwise). Hub sources and local
 parquet/text/JSON-array files go through ``datasets.load_dataset(..., streaming=True)``; local JSON
 lines are read line by line here, because the ``json`` builder aborts the whole file on one
 malformed line while we must skip and count it.
 
-Resume never relies on ``IterableDataset.state_dict()`` (a known ``datasets`` bug freezes it after
-the first resume): the ``Cursor`` is ours, so any number of resumes are exact.
+Resume costs the same wherever the cursor is. JSON lines seek to the byte offset. A ``datasets``
+stream resumes from its own ``IterableDataset.state_dict()``, taken at the cursor's position and
+carried in our ``Cursor`` (``state``), loaded into a FRESH dataset on every resume; parquet streams
+(hub or local) are ``reshard()``-ed into one shard per row group, in file order (the same records
+in the same order), so that state skips whole row groups unread and a resume reads at most the
+row group it lands in and the one before. (Other formats -- local text and JSON arrays -- cannot
+be split: their state skips the records before it without decoding them, but the file is still
+read from its start.) A ``datasets`` regression froze ``state_dict()`` after a resume, so that the
+second resume restarted the stream (huggingface/datasets#8308, in 5.x releases before its fix);
+the installed 5.2.0 has the fix (two resumes in a row are exact, fresh or reused dataset), and a
+state that has not moved from a fresh dataset's after records were read is detected and dropped:
+the cursor then resumes from its record index, exactly, by reading up to it. So the bug cannot
+bite. Cursors without a state (position 0, checkpoints of earlier versions) resume that way too.
 """
 
 from __future__ import annotations
 
+import copy
 import glob
 import gzip
 import hashlib
+import itertools
 import json
+import logging
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +37,8 @@ from typing import Any, Callable, Iterator, Optional
 
 from scape_train.data.config import DataConfig
 from scape_train.data.hub import require_hub
+
+log = logging.getLogger(__name__)
 
 JSONL = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")
 JSON = (".json", ".json.gz")
@@ -69,6 +85,25 @@ def extract_text(raw: Any, field: str) -> tuple[Optional[str], Optional[str]]:
 
 # ---------------------------------------------------------------- shards
 
+class Records:
+    """A shard's records from a position: iterates ``(position after, raw record)``; ``state()``
+    is the stream's own resume state after the last record yielded (None: the position is all
+    a resume needs)."""
+
+    def __init__(self, gen: Iterator[tuple[int, Any]],
+                 state: Optional[Callable[[], Optional[dict]]] = None):
+        self._gen, self._state = gen, state
+
+    def __iter__(self) -> "Records":
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        return next(self._gen)
+
+    def state(self) -> Optional[dict]:
+        return None if self._state is None else self._state()
+
+
 class JsonlShard:
     """A JSON-lines file (optionally gzip): records are raw lines, positions are byte offsets."""
 
@@ -76,7 +111,10 @@ class JsonlShard:
         self.path = path
         self.name = str(path)
 
-    def records(self, pos: int) -> Iterator[tuple[int, Any]]:
+    def records(self, pos: int, state: Optional[dict] = None) -> Records:
+        return Records(self._lines(pos))
+
+    def _lines(self, pos: int) -> Iterator[tuple[int, Any]]:
         opener = gzip.open if self.path.name.endswith(".gz") else open
         with opener(self.path, "rb") as f:
             f.seek(pos)
@@ -87,18 +125,53 @@ class JsonlShard:
 
 
 class DatasetShard:
-    """One shard of a streaming ``datasets.IterableDataset``: positions are record indices."""
+    """One shard of a streaming ``datasets.IterableDataset``: positions are record indices, and
+    the dataset's own ``state_dict()`` at a position resumes there without re-reading the shard
+    (module docstring). ``factory`` builds a fresh dataset each time: a resume never reuses one."""
 
     def __init__(self, name: str, factory: Callable[[], Any]):
         self.name = name
         self._factory = factory
+        self._warned = False
 
-    def records(self, pos: int) -> Iterator[tuple[int, Any]]:
+    def records(self, pos: int, state: Optional[dict] = None) -> Records:
         ds = self._factory()
-        if pos:
-            ds = ds.skip(pos)
-        for i, example in enumerate(ds, start=pos + 1):
-            yield i, example
+        initial = ds.state_dict()          # a fresh dataset's: what a frozen state looks like
+        if state is not None:
+            ds.load_state_dict(copy.deepcopy(state))
+        consumed = [0]
+
+        def gen() -> Iterator[tuple[int, Any]]:
+            it = iter(ds)
+            if state is None and pos:
+                # No stream state (an earlier version's cursor): read up to the record index.
+                for _ in itertools.islice(it, pos):
+                    pass
+            for i, example in enumerate(it, start=pos + 1):
+                consumed[0] += 1
+                yield i, example
+
+        def current() -> Optional[dict]:
+            now = ds.state_dict()
+            if state is not None and consumed[0] and now == initial:
+                # huggingface/datasets#8308: the state stopped advancing after the resume. Drop
+                # it; the cursor's record index resumes exactly (reading up to it).
+                if not self._warned:
+                    log.warning("%s: the datasets stream state did not advance after a resume "
+                                "(huggingface/datasets#8308); resuming from record indices "
+                                "instead (exact, but it re-reads the shard). Upgrade datasets.",
+                                self.name)
+                    self._warned = True
+                return None
+            return now
+
+        return Records(gen(), current)
+
+
+def _row_group_shards(ds):
+    """Parquet: one shard per row group, in file order -- the same records in the same order --
+    so that the stream's state skips whole row groups on resume. A no-op for other formats."""
+    return ds.reshard() if hasattr(ds, "reshard") else ds
 
 
 def resolve_local_files(spec: str) -> list[Path]:
@@ -129,8 +202,8 @@ def _local_shard(path: Path) -> JsonlShard | DatasetShard:
 
     def factory():
         import datasets
-        return datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True,
-                                     **kwargs)
+        return _row_group_shards(datasets.load_dataset(builder, data_files=[str(path)],
+                                                       split="train", streaming=True, **kwargs))
     return DatasetShard(str(path), factory)
 
 
@@ -181,7 +254,8 @@ def _hub_shards(cfg: DataConfig, split: str) -> list[DatasetShard]:
         raise ConnectionError(f"{what} could not be opened ({e}). Offline, use {OFFLINE_HINT}.") from e
     n = ds.num_shards
     return [DatasetShard(f"{cfg.path}[{split}] shard {i}/{n}",
-                         lambda i=i: ds.shard(num_shards=n, index=i, contiguous=True))
+                         lambda i=i: _row_group_shards(ds.shard(num_shards=n, index=i,
+                                                                contiguous=True)))
             for i in range(n)]
 
 
@@ -219,6 +293,7 @@ class Cursor:
     pos: int = 0        # reader position where the current window starts
     rec: int = 0        # records (all ranks') before that position in the shard
     skip: int = 0       # documents of the window already consumed
+    state: Optional[dict] = None   # the stream's own resume state at ``pos`` (datasets streams)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -271,10 +346,10 @@ class DocStream:
             c = Cursor(epoch=c.epoch + 1)
 
     def _iter_shard(self, sid: int, c: Cursor):
-        it = self.shards[sid].records(c.pos)
-        pos, rec, skip = c.pos, c.rec, c.skip
+        it = self.shards[sid].records(c.pos, c.state)
+        pos, rec, skip, state = c.pos, c.rec, c.skip, c.state
         while True:
-            win_pos, win_rec, window = pos, rec, []
+            win_pos, win_rec, win_state, window = pos, rec, state, []
             for pos_after, raw in it:
                 keep = self._keep(sid, rec)
                 pos, rec = pos_after, rec + 1
@@ -284,13 +359,14 @@ class DocStream:
                         break
             if not window:
                 return
+            state = it.state()      # after the window's last record: where the next one starts
             perm = list(range(len(window)))
             if self.window > 1:
                 random.Random(f"docs:{self.seed}:{c.epoch}:{sid}:{win_rec}").shuffle(perm)
             for j in range(skip, len(window)):
                 last = j + 1 == len(window)
                 after = Cursor(c.epoch, c.shard, pos if last else win_pos, rec if last else win_rec,
-                               0 if last else j + 1)
+                               0 if last else j + 1, state if last else win_state)
                 text, reason = extract_text(window[perm[j]], self.field)
                 yield text, reason, after
             skip = 0

@@ -16,7 +16,11 @@ training loop. The loop calls, per optimizer step:
 
 Learning rates are passed in by the trainer (its scheduler is a pure function of the step), so a
 strategy never owns schedule state. Everything a strategy must carry across a restart is returned
-by ``state_dict()`` and restored by ``load_state_dict()``; the checkpoint manager saves it.
+by ``state_dict()`` (in one dict, in memory) and restored by ``load_state_dict()``. Checkpoints go
+through ``checkpoint_state()`` instead, which says which part is replicated (written once, by rank
+0), owner-sharded (by its owner) and per-rank (by each rank) -- see ``optim/state.py`` -- and
+``load_checkpoint_state()``, which gets the replicated part, this rank's per-rank part and a
+source of the sharded state. The default keeps everything per rank: always correct, never small.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .state import ShardSource, StateParts
 
 
 class OptimizerStrategy(abc.ABC):
@@ -73,6 +79,20 @@ class OptimizerStrategy(abc.ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+
+    def checkpoint_state(self) -> StateParts:
+        """The state to checkpoint, split by who writes it. Tensors are handed over as they live
+        (device tensors, views of flat state): the writer copies each to the host as it writes
+        it, and nothing may change them until the save returns. Default: all of
+        ``state_dict()``, per rank."""
+        return StateParts(per_rank=self.state_dict())
+
+    def load_checkpoint_state(self, parts: StateParts, shards: ShardSource | None = None) -> None:
+        """Restore from ``checkpoint_state()``'s pieces as saved (``parts.replicated``: rank 0's;
+        ``parts.per_rank``: this rank's, or another rank's when the world size changed -- see
+        its ``rank``/``world`` entries where a strategy records them); ``shards`` serves the
+        owner-sharded state over any flat range. Default: the merged dict to ``load_state_dict``."""
+        self.load_state_dict({**parts.replicated, **parts.per_rank})
 
     def close(self) -> None:
         """Release background work (pending async handles, side streams)."""

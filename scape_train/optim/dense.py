@@ -17,6 +17,7 @@ from .adams import AdamS
 from .base import OptimizerStrategy, param_groups_with_decay, set_lr
 from .comm import Comm, Handle
 from .config import OptimizerConfig
+from .state import StateParts
 
 
 def _future_of(handle: Handle, tensor: torch.Tensor) -> torch.futures.Future:
@@ -134,6 +135,10 @@ class DenseStrategy(OptimizerStrategy):
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": named_state_dict(self.optimizer, self._names)}
+
+    def checkpoint_state(self) -> StateParts:
+        # DDP all-reduces the gradients, so every rank holds the same optimizer state: replicated.
+        return StateParts(replicated=DenseStrategy.state_dict(self))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_named_state_dict(self.optimizer, state["optimizer"], self._names)

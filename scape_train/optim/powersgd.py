@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .comm import Comm, ring_all_reduce_bytes
 from .config import OptimizerConfig
 from .dense import DenseStrategy
+from .state import StateParts
 
 
 def powersgd_sizes(shapes: list[torch.Size], rank: int, min_compression_rate: float
@@ -95,6 +96,14 @@ class PowerSGDStrategy(DenseStrategy):
                                "p_memory_dict": dict(s.p_memory_dict),
                                "q_memory_dict": dict(s.q_memory_dict)}
         return out
+
+    def checkpoint_state(self) -> StateParts:
+        # The optimizer state is replicated (DDP); the hook's error feedback is each rank's own.
+        parts = super().checkpoint_state()
+        own = self.state_dict()
+        if "powersgd" in own:
+            parts.per_rank["powersgd"] = own["powersgd"]
+        return parts
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

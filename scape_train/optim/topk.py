@@ -20,6 +20,7 @@ from .comm import Comm
 from .config import OptimizerConfig
 from .dense import build_local_optimizer, grad_norm_and_clip, load_named_state_dict, named_state_dict
 from .density import density_at, segment_k
+from .state import StateParts
 
 
 class TopKAdamWStrategy(OptimizerStrategy):
@@ -87,6 +88,16 @@ class TopKAdamWStrategy(OptimizerStrategy):
                 "rank": self.comm.rank, "world": self.comm.world,
                 "residual": {n: self.residual[self.offsets[i]:self.offsets[i + 1]].cpu().clone()
                              for i, n in enumerate(self.names)}}
+
+    def checkpoint_state(self) -> StateParts:
+        # The averaged sparse gradient is the same on every rank, so is the AdamW state; the
+        # error-feedback residual is each rank's own (views: written as one storage).
+        return StateParts(
+            replicated={"optimizer": named_state_dict(self.optimizer, self._names),
+                        "step": self.steps_done},
+            per_rank={"rank": self.comm.rank, "world": self.comm.world,
+                      "residual": {n: self.residual[self.offsets[i]:self.offsets[i + 1]]
+                                   for i, n in enumerate(self.names)}})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_named_state_dict(self.optimizer, state["optimizer"], self._names)

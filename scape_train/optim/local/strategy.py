@@ -30,6 +30,7 @@ from ..base import OptimizerStrategy, set_lr
 from ..comm import Comm
 from ..config import OptimizerConfig
 from ..dense import build_local_optimizer, grad_norm_and_clip, load_named_state_dict, named_state_dict
+from ..state import StateParts
 from .config import StrategyConfig
 from .outer import OuterAlgorithm, snapshot
 
@@ -140,6 +141,21 @@ class LocalStepStrategy(OptimizerStrategy):
         if self.steps_in_round > 0:
             state["params"] = {n: snapshot(p) for n, p in zip(self.param_names, self.params)}
         return state
+
+    def checkpoint_state(self) -> StateParts:
+        """All per rank: each worker's inner optimizer state (and, under GASLoC, its replica and
+        outer state) is its own. Live tensors, no snapshots: the save writes them at once."""
+        st = self.outer.state
+        state: dict[str, Any] = {
+            "optimizer": named_state_dict(self.optimizer, self._names),
+            "outer": {"anchor": dict(zip(st.names, st.anchor)),
+                      "y_prev": dict(zip(st.names, st.y_prev))},
+            "rounds_done": self.rounds_done, "steps_in_round": self.steps_in_round,
+            "local_step": self.local_step, "sync_step": self.sync_step,
+        }
+        if self.steps_in_round > 0:
+            state["params"] = {n: p.detach() for n, p in zip(self.param_names, self.params)}
+        return StateParts(per_rank=state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_named_state_dict(self.optimizer, state["optimizer"], self._names)

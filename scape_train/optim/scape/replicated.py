@@ -100,11 +100,25 @@ class ReplicatedScape:
 
     # -- state in model space ------------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Flat momentum, rank-independent residual part (none here) and this rank's residual."""
+        """Flat momentum, rank-independent residual part (none here) and this rank's residual
+        (copies: tests and the in-memory ``state_dict``)."""
         return {"momentum": self.m.clone(), "residual": self.residual.full()}
 
-    def load_full_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
-                        residual: torch.Tensor | None) -> None:
+    @property
+    def state_range(self) -> tuple[int, int]:
+        """The flat range of the momentum this engine holds: all of it."""
+        return 0, self.layout.total
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live flat state by kind, not copied: the momentum is the same on every rank
+        (replicated), the residual is this rank's own."""
+        return {"replicated": {"momentum": self.m}, "sharded": {},
+                "per_rank": {"residual": self.residual.tensor()}}
+
+    def load_range_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
+                         residual: torch.Tensor | None) -> None:
+        """``momentum`` and ``shared`` over :attr:`state_range`; ``residual`` full, or None to
+        reset it."""
         self.m.copy_(momentum)
         total = residual if residual is not None else torch.zeros_like(self.m)
         if shared is not None:       # from a sharded checkpoint: e = ρ + ε

@@ -91,6 +91,11 @@ class ResidualStore:
             return self._host.host.to(self.device, copy=True)
         return self._dev.clone()
 
+    def tensor(self) -> torch.Tensor:
+        """The residual itself, not copied: the device tensor, or the host buffer when offloaded
+        (up to date between steps). Checkpoints write it as it is."""
+        return self._host.host if self._host is not None else self._dev
+
     def load(self, flat: torch.Tensor) -> None:
         if flat.numel() != self.numel:
             raise ValueError(f"residual has {flat.numel()} elements, expected {self.numel}")

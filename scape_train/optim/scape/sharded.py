@@ -231,25 +231,43 @@ class ShardedScape:
         return torch.cat([out[r * width: r * width + n] for r, n in enumerate(lengths)])
 
     def full_state(self) -> dict[str, torch.Tensor]:
+        """The full flat state, gathered from the owners (tests and the in-memory ``state_dict``
+        only: checkpoints write each owner's range instead, see :meth:`checkpoint_tensors`)."""
         out = {"momentum": self._gather_owned(self.m),
                "shared_residual": self._gather_owned(self.rho), "residual": self.residual.full()}
         if self.update_residual is not None:
             out["update_residual"] = self._gather_owned(self.update_residual)
         return out
 
-    def load_update_residual(self, flat: torch.Tensor | None) -> None:
-        """The owners' parameter-update residual (low-precision payloads); None: zero."""
+    def load_update_residual(self, owned: torch.Tensor | None) -> None:
+        """The owner's parameter-update residual over its range (low-precision payloads);
+        None: zero."""
         if self.update_residual is not None:
-            if flat is None:
+            if owned is None:
                 self.update_residual.zero_()
             else:
-                self.update_residual.copy_(flat[self.lo:self.hi])
+                self.update_residual.copy_(owned)
 
-    def load_full_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
-                        residual: torch.Tensor | None) -> None:
-        self.m.copy_(momentum[self.lo:self.hi])
+    @property
+    def state_range(self) -> tuple[int, int]:
+        """The flat range of ``m`` and ``ρ`` this rank owns."""
+        return self.lo, self.hi
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live state by kind, not copied and never gathered: ``m`` and ``ρ`` over the owned
+        range (owner-sharded), the full-size ``ε`` of this rank (per rank)."""
+        sharded = {"momentum": self.m, "shared_residual": self.rho}
+        if self.update_residual is not None:      # low-precision payloads: owner-range state too
+            sharded["update_residual"] = self.update_residual
+        return {"replicated": {}, "sharded": sharded,
+                "per_rank": {"residual": self.residual.tensor()}}
+
+    def load_range_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
+                         residual: torch.Tensor | None) -> None:
+        """``momentum`` and ``shared`` over the owned range; ``residual`` full, or None to reset."""
+        self.m.copy_(momentum)
         if shared is not None:
-            self.rho.copy_(shared[self.lo:self.hi])
+            self.rho.copy_(shared)
         else:                         # from a replicated checkpoint: ρ = 0, ε = e
             self.rho.zero_()
         if residual is not None:

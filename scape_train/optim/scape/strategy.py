@@ -22,6 +22,7 @@ from ..base import OptimizerStrategy
 from ..comm import Comm
 from ..config import OptimizerConfig
 from ..density import density_at
+from ..state import FlatShard, ShardSource, StateParts
 from .kernels import pack_bits, resolve_backend, unpack_bits
 from .masks import MaskExchange, PendingMask, mask_counts, measured_counts, topk_own_mask
 from .partition import ParamLayout, build_partition
@@ -127,31 +128,47 @@ class ScapeStrategy(OptimizerStrategy):
             self._pending.wait()
 
     # -- checkpoint: per parameter, in model space ---------------------------------------------
-    def _split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    # ``state_dict()`` is the whole state in one dict (gathered in sharded mode): the in-memory
+    # form tests and single processes use. ``checkpoint_state()`` is what checkpoints write: the
+    # masks (and the replicated momentum) once, the owner-sharded m and ρ by their owners, the
+    # residual by each rank -- live tensors and views, nothing gathered or copied.
+    def _split(self, flat: torch.Tensor, copy: bool = True) -> dict[str, torch.Tensor]:
         lay = self.layout
-        return {n: flat[lay.offsets[i]:lay.offsets[i + 1]].view_as(p).detach().cpu().clone()
-                for i, (n, p) in enumerate(zip(lay.names, lay.params))}
+        views = {n: flat[lay.offsets[i]:lay.offsets[i + 1]].view_as(p).detach()
+                 for i, (n, p) in enumerate(zip(lay.names, lay.params))}
+        return {n: v.cpu().clone() for n, v in views.items()} if copy else views
 
-    def _split_mask(self, mask: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+    def _split_mask(self, mask: torch.Tensor | None, host: bool = True
+                    ) -> dict[str, torch.Tensor] | None:
         if mask is None:
             return None
         lay = self.layout
-        return {n: pack_bits(mask[lay.offsets[i]:lay.offsets[i + 1]], backend="torch").cpu()
-                for i, n in enumerate(lay.names)}
+        packed = {n: pack_bits(mask[lay.offsets[i]:lay.offsets[i + 1]], backend="torch")
+                  for i, n in enumerate(lay.names)}
+        return {n: t.cpu() for n, t in packed.items()} if host else packed
 
-    def _join(self, per_name: dict[str, torch.Tensor], what: str) -> torch.Tensor:
+    def _join(self, per_name: dict[str, torch.Tensor], what: str, lo: int = 0,
+              hi: int | None = None) -> torch.Tensor:
+        """The flat range ``[lo, hi)`` (default: all) of per-parameter tensors, on the device;
+        assembled where the tensors are (the host, from a checkpoint), so that only the range
+        reaches the device."""
         lay = self.layout
+        hi = lay.total if hi is None else hi
         missing = [n for n in lay.names if n not in per_name]
         if missing:
             raise KeyError(f"SCAPE checkpoint has no {what} for parameters {missing[:5]}")
         parts = []
-        for n, p in zip(lay.names, lay.params):
+        for i, (n, p) in enumerate(zip(lay.names, lay.params)):
             t = per_name[n]
             if t.numel() != p.numel():
                 raise ValueError(f"SCAPE checkpoint: {what} of {n!r} has {t.numel()} elements, "
                                  f"the parameter {p.numel()}")
-            parts.append(t.reshape(-1).to(device=lay.device, dtype=torch.float32))
-        return torch.cat(parts)
+            a, b = lay.offsets[i], lay.offsets[i + 1]
+            s, e = max(lo, a), min(hi, b)
+            if s < e:
+                parts.append(t.reshape(-1)[s - a:e - a])
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        return flat.to(device=lay.device, dtype=torch.float32)
 
     def _join_mask(self, per_name: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
         if per_name is None:
@@ -160,11 +177,15 @@ class ScapeStrategy(OptimizerStrategy):
         return torch.cat([unpack_bits(per_name[n].to(lay.device), p.numel(), backend="torch")
                           for n, p in zip(lay.names, lay.params)])
 
+    def _header(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "mode": self.engine.mode, "step": self.steps_done,
+                "rank": self.comm.rank, "world": self.comm.world,
+                "partitioner": self.cfg.partitioner}
+
     def state_dict(self) -> dict[str, Any]:
         full = self.engine.full_state()
         state: dict[str, Any] = {
-            "version": STATE_VERSION, "mode": self.engine.mode, "step": self.steps_done,
-            "rank": self.comm.rank, "world": self.comm.world, "partitioner": self.cfg.partitioner,
+            **self._header(),
             "momentum": self._split(full["momentum"]),
             "residual": self._split(full["residual"]),
             "mask_cur": self._split_mask(self.mask_cur),
@@ -177,6 +198,23 @@ class ScapeStrategy(OptimizerStrategy):
             state["wire"] = wire
         return state
 
+    def checkpoint_state(self) -> StateParts:
+        pieces = self.engine.checkpoint_tensors()
+        header = self._header()
+        rank = header.pop("rank")
+        replicated: dict[str, Any] = {**header,
+                                      "mask_cur": self._split_mask(self.mask_cur, host=False),
+                                      "mask_next": self._split_mask(self.next_mask(), host=False)}
+        replicated.update({k: self._split(v, copy=False) for k, v in pieces["replicated"].items()})
+        per_rank: dict[str, Any] = {"rank": rank, "world": self.comm.world}
+        per_rank.update({k: self._split(v, copy=False) for k, v in pieces["per_rank"].items()})
+        sharded = None
+        if pieces["sharded"]:
+            lo, hi = self.engine.state_range
+            sharded = FlatShard(lo, hi, self.layout.total,
+                                {k: v.detach() for k, v in pieces["sharded"].items()})
+        return StateParts(replicated=replicated, per_rank=per_rank, sharded=sharded)
+
     # -- wire-format state (kept apart so that checkpoint-layout changes merge cleanly) ---------
     def _wire_state(self, full: dict[str, torch.Tensor]) -> dict[str, Any] | None:
         """What the wire format adds to the state: the sharded owners' parameter-update residual
@@ -187,23 +225,43 @@ class ScapeStrategy(OptimizerStrategy):
         return {"payload_dtype": self.cfg.payload_dtype,
                 "update_residual": self._split(full["update_residual"])}
 
-    def _load_wire_state(self, state: dict[str, Any]) -> None:
-        wire = state.get("wire")
-        flat = None
-        if wire is not None and wire.get("update_residual") is not None:
-            flat = self._join(wire["update_residual"], "update residual")
+    def _load_wire_state(self, state: dict[str, Any], shards: ShardSource | None, lo: int,
+                         hi: int) -> None:
+        """The update residual over this rank's range: per parameter from an in-memory state,
+        or from the owners' shards of a checkpoint."""
+        owned = self._range_of(state.get("wire") or {}, shards, "update_residual",
+                               "update residual", lo, hi)
         if isinstance(self.engine, ShardedScape):
-            self.engine.load_update_residual(flat)
-        elif flat is not None:
+            self.engine.load_update_residual(owned)
+        elif owned is not None:
             warnings.warn("SCAPE checkpoint holds a sharded low-precision parameter-update "
                           "residual; replicated mode sends exact updates, it is dropped")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load(state, None)
+
+    def load_checkpoint_state(self, parts: StateParts, shards: ShardSource | None = None) -> None:
+        self._load({**parts.replicated, **parts.per_rank}, shards)
+
+    def _range_of(self, state: dict[str, Any], shards: ShardSource | None, key: str, what: str,
+                  lo: int, hi: int) -> torch.Tensor | None:
+        """``key`` over the flat range ``[lo, hi)`` on the device: from the per-parameter
+        tensors of a replicated (or in-memory) state, else from the owners' shards."""
+        if state.get(key) is not None:
+            return self._join(state[key], what, lo, hi)
+        if shards is None:
+            return None
+        t = shards.read(key, lo, hi, self.layout.total)
+        return None if t is None else t.to(device=self.layout.device, dtype=torch.float32)
+
+    def _load(self, state: dict[str, Any], shards: ShardSource | None) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported SCAPE state version {state.get('version')!r}")
-        momentum = self._join(state["momentum"], "momentum")
-        shared = (self._join(state["shared_residual"], "shared residual")
-                  if state.get("shared_residual") is not None else None)
+        lo, hi = self.engine.state_range    # all of it (replicated) or the owned range (sharded)
+        momentum = self._range_of(state, shards, "momentum", "momentum", lo, hi)
+        if momentum is None:
+            raise KeyError("SCAPE checkpoint holds no momentum (neither per parameter nor sharded)")
+        shared = self._range_of(state, shards, "shared_residual", "shared residual", lo, hi)
         residual = None
         if state["world"] == self.comm.world and state["rank"] == self.comm.rank:
             residual = self._join(state["residual"], "residual")
@@ -211,8 +269,8 @@ class ScapeStrategy(OptimizerStrategy):
             warnings.warn(f"SCAPE checkpoint was written by rank {state['rank']} of "
                           f"{state['world']}; this is rank {self.comm.rank} of {self.comm.world}: "
                           "per-rank residuals are reset to zero (momentum and masks are kept)")
-        self.engine.load_full_state(momentum, shared, residual)
-        self._load_wire_state(state)
+        self.engine.load_range_state(momentum, shared, residual)
+        self._load_wire_state(state, shards, lo, hi)
         self.steps_done = int(state["step"])
         self.mask_cur = self._join_mask(state.get("mask_cur"))
         nxt = self._join_mask(state.get("mask_next"))
