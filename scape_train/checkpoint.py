@@ -213,6 +213,30 @@ class CheckpointManager:
                 log.warning("skipping checkpoint: %s; trying the previous one", exc)
         return None
 
+    def _reads(self, manifest: dict) -> list[str]:
+        """The files this rank reads at load (shard files are hashed when first opened)."""
+        files = manifest.get("files", {})
+        src = self.info.rank if self.info.rank < manifest["world_size"] else 0
+        return [n for n in (MODEL_FILE, REPLICATED_FILE, rank_file(src)) if n in files]
+
+    def latest_valid_agreed(self) -> Path | None:
+        """The newest checkpoint whose files verify on every rank, each rank hashing only the
+        files it reads (at 64 ranks, every rank hashing every file would read the whole
+        checkpoint 64 times); one ``all_ok`` per candidate agrees. Collective."""
+        for path in reversed(self.list()):
+            ok = True
+            try:
+                manifest = json.loads((path / MANIFEST).read_text())
+                self.verify(path, self._reads(manifest))
+            except (OSError, ValueError, KeyError, CheckpointError) as exc:
+                log.warning("skipping checkpoint %s on rank %d: %s", path, self.info.rank, exc)
+                ok = False
+            if self.info.comm.all_ok(ok):
+                return path
+            log.warning("checkpoint %s failed its checksums on some rank; trying the previous one",
+                        path)
+        return None
+
     def open(self, path: Path) -> "LoadedCheckpoint":
         """This rank's view of a checkpoint, checksums verified first: the model and the
         replicated part (every rank reads them), this rank's per-rank part and the owners'
@@ -229,10 +253,8 @@ class CheckpointManager:
         files = manifest.get("files", {})
         saved_world = manifest["world_size"]
         src = self.info.rank if self.info.rank < saved_world else 0
-        # Hash what this rank reads (latest_valid() checked every file already); shard files
-        # are hashed when first opened.
-        mine = [n for n in (MODEL_FILE, REPLICATED_FILE, rank_file(src)) if n in files]
-        self.verify(path, mine)
+        # Hash what this rank reads; shard files are hashed when first opened.
+        self.verify(path, self._reads(manifest))
         if MODEL_FILE not in files or rank_file(src) not in files:
             raise CheckpointError(f"{path}: the manifest lists no {MODEL_FILE} or "
                                   f"{rank_file(src)}")

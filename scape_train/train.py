@@ -202,7 +202,7 @@ class Trainer:
         if resume == "none":
             return None
         if resume == "auto":
-            path = self.ckpt.latest_valid()
+            path = self.ckpt.latest_valid_agreed()
             if path is None and self.ckpt.list():
                 # Starting fresh here would prune them as new checkpoints arrive: stop instead.
                 raise CheckpointError(

@@ -94,3 +94,31 @@ def test_multirank_save_each_rank_reads_its_own(tmp_path):
     mgr = CheckpointManager(tmp_path, DistInfo(rank=1, world_size=2))
     _, _, state = mgr.load(mgr.latest_valid())
     assert int(state["optimizer"]["r"]) == 1 and state["resharded"]
+
+
+def _agreed_worker(rank, world, root):
+    import scape_train.checkpoint as ck
+    from scape_train.distributed import init_distributed
+
+    mgr = CheckpointManager(root, init_distributed("cpu"), keep_last=3)
+    _save(mgr, 1, 1)
+    newest = _save(mgr, 2, 2)
+    mgr.info.comm.barrier()
+    if rank == 1:   # a per-rank file only rank 1 reads
+        with open(newest / "rank_00001.pt", "r+b") as f:
+            f.truncate(10)
+    mgr.info.comm.barrier()
+    hashed = []
+    real = ck._sha256
+    ck._sha256 = lambda p: hashed.append(p.name) or real(p)
+    try:
+        chosen = mgr.latest_valid_agreed()
+    finally:
+        ck._sha256 = real
+    return chosen.name, sorted(set(hashed))
+
+
+def test_resume_choice_is_agreed_and_each_rank_hashes_only_its_reads(tmp_path):
+    (r0, h0), (r1, h1) = run_distributed(_agreed_worker, 2, (str(tmp_path),))
+    assert r0 == r1 == "step_00000001"      # rank 1's broken file makes both fall back
+    assert "rank_00001.pt" not in h0 and "rank_00000.pt" not in h1
