@@ -46,6 +46,8 @@ class TrainerConfig:
     max_nan_skips: int = 10           # with skip: stop after this many skipped steps in a row
     dist_timeout_s: int = 600         # a dead rank makes the others fail after this long
     num_threads: int = 0              # torch CPU threads per rank; 0 = torch's default
+    sample_tokens: int = 32           # rank 0 prints a sample of N tokens at the end; 0 = none
+    sample_prompt: str = ""           # the sample's prompt ("" = the start of a new document)
 
 
 @dataclass
@@ -143,6 +145,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
            "resume must be none, auto or a checkpoint directory")
     _check(t.max_nan_skips >= 0, f"trainer.max_nan_skips must be >= 0, got {t.max_nan_skips}")
     _check(t.num_threads >= 0, f"trainer.num_threads must be >= 0 (0 = torch's default), got {t.num_threads}")
+    _check(t.sample_tokens >= 0, f"trainer.sample_tokens must be >= 0 (0 = no sample), got {t.sample_tokens}")
     _check(t.eval_batches >= 0, f"trainer.eval_batches must be >= 0 (0 = all), got {t.eval_batches}")
     _check(0 <= t.decay_steps <= t.max_steps,
            f"trainer.decay_steps={t.decay_steps} must be in [0, max_steps={t.max_steps}] (0 = 20%)")

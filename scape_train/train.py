@@ -413,4 +413,22 @@ def run(cfg: Config) -> dict[str, Any]:
         print(f"metrics: {Path(summary['run_dir']) / 'metrics.jsonl'}")
         if "val_loss" in summary:
             print(f"final validation loss: {summary['val_loss']:.4f} at step {summary['step']}")
+        _print_sample(trainer, summary)
     return summary
+
+
+def _print_sample(trainer: Trainer, summary: dict[str, Any]) -> None:
+    """Rank 0, at the end: a short sample from the trained model (trainer.sample_tokens=0: none)."""
+    t = trainer.cfg.trainer
+    if t.sample_tokens <= 0 or summary.get("stopped_early"):
+        return
+    from scape_train.generate import training_sample
+
+    try:
+        text = training_sample(trainer.model, trainer.tokenizer, t.sample_tokens, t.sample_prompt,
+                               seed=t.seed, autocast=trainer.autocast)
+    except Exception as exc:  # noqa: BLE001 - the run is done and saved; a sample never fails it
+        log.warning("no end-of-run sample: %s", exc)
+        return
+    summary["sample"] = text
+    print(f"sample ({t.sample_tokens} tokens, temperature 0.8, top-k 50):\n{text}")
