@@ -19,6 +19,7 @@ from scape_train.eval.config import EvalConfig
 from scape_train.models.config import ModelConfig
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.local.config import StrategyConfig
+from scape_train.smoke import SmokeConfig
 
 
 @dataclass
@@ -71,6 +72,9 @@ class Config:
     run_name: str = "default"
     run_dir: Optional[str] = None     # None: outputs/<run_name>/<timestamp> (agreed by all ranks)
     resume: str = "none"              # none | auto | <checkpoint dir>
+    # hf:<dir|hub id>: start from Hugging Face weights (GPT-2 / Llama); the model shape and the
+    # tokenizer come with them (scape_train/init_from.py). Ignored when resuming a checkpoint.
+    init_from: Optional[str] = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -78,6 +82,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    smoke: SmokeConfig = field(default_factory=SmokeConfig)   # +smoke=cpu (scape_train/smoke.py)
 
 
 def register_configs() -> None:
@@ -146,6 +151,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(t.max_nan_skips >= 0, f"trainer.max_nan_skips must be >= 0, got {t.max_nan_skips}")
     _check(t.num_threads >= 0, f"trainer.num_threads must be >= 0 (0 = torch's default), got {t.num_threads}")
     _check(t.sample_tokens >= 0, f"trainer.sample_tokens must be >= 0 (0 = no sample), got {t.sample_tokens}")
+    _check(cfg.init_from is None or cfg.init_from.startswith("hf:"),
+           f"init_from must be hf:<dir or hub id>, got {cfg.init_from!r}")
     _check(t.eval_batches >= 0, f"trainer.eval_batches must be >= 0 (0 = all), got {t.eval_batches}")
     _check(0 <= t.decay_steps <= t.max_steps,
            f"trainer.decay_steps={t.decay_steps} must be in [0, max_steps={t.max_steps}] (0 = 20%)")

@@ -120,6 +120,7 @@ class Trainer:
         if t.num_threads > 0:  # a negative value is reported by validate() below
             torch.set_num_threads(t.num_threads)
         self.info = D.init_distributed(t.device, t.dist_timeout_s)
+        cfg, t = self._derive_config(cfg)
         validate(cfg, self.info.world_size)
         self.accum = grad_accum_steps(cfg, self.info.world_size)
         self.eval_tasks = None
@@ -141,6 +142,15 @@ class Trainer:
         self._build()
 
     # -- set-up ----------------------------------------------------------------------------
+    def _derive_config(self, cfg: Config):
+        """Parts of the config derived before validation: a smoke run's sizes from the experiment
+        (``+smoke=cpu``, smoke.py), the model and tokenizer of ``init_from=hf:...`` (init_from.py)."""
+        from scape_train.init_from import apply_init_from
+        from scape_train.smoke import apply_smoke
+
+        self.cfg = apply_init_from(apply_smoke(cfg, self.info.world_size))
+        return self.cfg, self.cfg.trainer
+
     def _refuse_to_overwrite(self) -> None:
         if self.cfg.resume == "none" and self.ckpt.list():
             raise CheckpointError(
@@ -160,6 +170,10 @@ class Trainer:
         if info.is_main:
             D.barrier(info)
         self.model = build_model(cfg.model, vocab_size=self.tokenizer.vocab_size, device=info.device)
+        if cfg.init_from:  # Hugging Face weights (init_from.py); a resume below overwrites them
+            from scape_train.init_from import load_init_weights
+
+            load_init_weights(self.model, cfg.init_from)
         if cfg.strategy.name == "data_parallel":
             self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm)
         else:  # DiLoCo / GASLoC: the optimizer group's optimizer takes the inner steps
