@@ -334,6 +334,9 @@ class Trainer:
             self.tokenizer.save_pretrained(self.run_dir / "tokenizer")
             wandb_run, self.state.wandb_run_id = init_wandb(
                 cfg.logging.wandb, cfg.run_name, self.run_dir, resolved, self.state.wandb_run_id)
+            from scape_train.summary import report_startup
+
+            report_startup(self, wandb_run)   # printed once; W&B config/summary when active
         self.state.wandb_run_id = D.broadcast_object(self.state.wandb_run_id, info)
         logger = MetricsLogger(self.run_dir, info.is_main, t.max_steps,
                                cfg.logging.progress_bar, wandb_run, self.state.step)
