@@ -22,6 +22,7 @@ from scape_train.models.config import ModelConfig
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.local.config import StrategyConfig
 from scape_train.plan.config import PlanConfig
+from scape_train.smoke import SmokeConfig
 
 
 @dataclass
@@ -49,6 +50,8 @@ class TrainerConfig:
     max_nan_skips: int = 10           # with skip: stop after this many skipped steps in a row
     dist_timeout_s: int = 600         # a dead rank makes the others fail after this long
     num_threads: int = 0              # torch CPU threads per rank; 0 = torch's default
+    sample_tokens: int = 32           # rank 0 prints a sample of N tokens at the end; 0 = none
+    sample_prompt: str = ""           # the sample's prompt ("" = the start of a new document)
 
 
 @dataclass
@@ -72,6 +75,9 @@ class Config:
     run_name: str = "default"         # names outputs/<run_name>/<timestamp> and the W&B run
     run_dir: Optional[str] = None     # None: outputs/<run_name>/<timestamp> (agreed by all ranks)
     resume: str = "none"              # none | auto | <checkpoint dir>
+    # hf:<dir|hub id>: start from Hugging Face weights (GPT-2 / Llama); the model shape and the
+    # tokenizer come with them (scape_train/init_from.py). Ignored when resuming a checkpoint.
+    init_from: Optional[str] = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -80,6 +86,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)   # the start-up memory plan (plan/)
+    smoke: SmokeConfig = field(default_factory=SmokeConfig)   # +smoke=cpu (scape_train/smoke.py)
 
 
 def register_configs() -> None:
@@ -235,6 +242,9 @@ def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
            "resume must be none, auto or a checkpoint directory")
     _check(t.max_nan_skips >= 0, f"trainer.max_nan_skips must be >= 0, got {t.max_nan_skips}")
     _check(t.num_threads >= 0, f"trainer.num_threads must be >= 0 (0 = torch's default), got {t.num_threads}")
+    _check(t.sample_tokens >= 0, f"trainer.sample_tokens must be >= 0 (0 = no sample), got {t.sample_tokens}")
+    _check(cfg.init_from is None or cfg.init_from.startswith("hf:"),
+           f"init_from must be hf:<dir or hub id>, got {cfg.init_from!r}")
     _check(t.eval_batches >= 0, f"trainer.eval_batches must be >= 0 (0 = all), got {t.eval_batches}")
     _check(0 <= t.decay_steps <= t.max_steps,
            f"trainer.decay_steps={t.decay_steps} must be in [0, max_steps={t.max_steps}] (0 = 20%)")

@@ -133,6 +133,7 @@ class MetricsLogger:
                          dropped, start_step)
         self._file = open(self.path, "a") if is_main else None
         self.bar = None
+        self._shown: dict[str, str] = {}
         if is_main and progress_bar:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -147,8 +148,9 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "time"}, step=step)
         if self.bar is not None:
-            shown = {k: metrics[k] for k in ("loss", "val_loss", "lr", "tokens_per_s", "mfu") if k in metrics}
-            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+            # The last value of each shown metric stays until the next one arrives.
+            self._shown.update(bar_fields(metrics))
+            self.bar.set_postfix(self._shown, refresh=False)
         elif "loss" in metrics or "val_loss" in metrics:
             log.info("step %d %s", step, " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
 
@@ -162,6 +164,25 @@ class MetricsLogger:
             self.bar.close()
         if self._file is not None:
             self._file.close()
+
+
+# Progress-bar fields: (metric, label, scale). The optimizer-specific ones appear when the
+# strategy reports them: SCAPE its density and the MB it sends per step (payload + mask),
+# DiLoCo / GASLoC the outer round.
+BAR_FIELDS = (("loss", "loss", 1.0), ("val_loss", "val_loss", 1.0), ("lr", "lr", 1.0),
+              ("scape/density", "density", 1.0), ("comm/sent_bytes", "MB/step", 1e-6),
+              ("outer/round", "round", 1.0), ("tokens_per_s", "tok/s", 1.0), ("mfu", "mfu", 1.0))
+
+
+def bar_fields(metrics: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's formatted fields among ``metrics``."""
+    out = {}
+    for key, label, scale in BAR_FIELDS:
+        v = metrics.get(key)
+        if not isinstance(v, (int, float)) or (key == "comm/sent_bytes" and v <= 0):
+            continue
+        out[label] = f"{int(v)}" if key == "outer/round" else f"{v * scale:.3g}"
+    return out
 
 
 def _plain(v: Any) -> Any:

@@ -122,11 +122,13 @@ class Trainer:
         if t.num_threads > 0:  # a negative value is reported by validate() below
             torch.set_num_threads(t.num_threads)
         self.info = D.init_distributed(t.device, t.dist_timeout_s)
+        cfg, t = self._derive_config(cfg)     # +smoke overlay, init_from=hf: shapes
         from scape_train.preflight import check_preconditions
 
         check_preconditions(cfg, self.info)   # every cheap check, reported together; writes nothing
         validate(cfg, self.info.world_size)
-        check_memory(cfg, self.info)  # the memory plan: refuse what cannot fit, before any work
+        # the memory plan: refuse what cannot fit, before any work (kept for the start-up summary)
+        self.memory_plan = check_memory(cfg, self.info)
         self.accum = grad_accum_steps(cfg, self.info.world_size)
         self.eval_tasks = None
         if cfg.eval.enabled:  # a task-name typo fails now, not after hours of training
@@ -147,6 +149,15 @@ class Trainer:
         self._build()
 
     # -- set-up ----------------------------------------------------------------------------
+    def _derive_config(self, cfg: Config):
+        """Parts of the config derived before validation: a smoke run's sizes from the experiment
+        (``+smoke=cpu``, smoke.py), the model and tokenizer of ``init_from=hf:...`` (init_from.py)."""
+        from scape_train.init_from import apply_init_from
+        from scape_train.smoke import apply_smoke
+
+        self.cfg = apply_init_from(apply_smoke(cfg, self.info.world_size))
+        return self.cfg, self.cfg.trainer
+
     def _refuse_to_overwrite(self) -> None:
         if self.cfg.resume == "none" and self.ckpt.list():
             raise CheckpointError(
@@ -166,6 +177,10 @@ class Trainer:
         if info.is_main:
             D.barrier(info)
         self.model = build_model(cfg.model, vocab_size=self.tokenizer.vocab_size, device=info.device)
+        if cfg.init_from:  # Hugging Face weights (init_from.py); a resume below overwrites them
+            from scape_train.init_from import load_init_weights
+
+            load_init_weights(self.model, cfg.init_from)
         if cfg.strategy.name == "data_parallel":
             self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm)
         else:  # DiLoCo / GASLoC: the optimizer group's optimizer takes the inner steps
@@ -339,6 +354,9 @@ class Trainer:
             wandb_run, self.state.wandb_run_id = init_wandb(
                 cfg.logging.wandb, cfg.run_name, self.run_dir, resolved, self.state.wandb_run_id,
                 step=self.state.step)
+            from scape_train.summary import report_startup
+
+            report_startup(self, wandb_run)   # printed once; W&B config/summary when active
         self.state.wandb_run_id = D.broadcast_object(self.state.wandb_run_id, info)
         logger = MetricsLogger(self.run_dir, info.is_main, t.max_steps,
                                cfg.logging.progress_bar, wandb_run, self.state.step)
@@ -432,4 +450,22 @@ def run(cfg: Config) -> dict[str, Any]:
         print(f"metrics: {Path(summary['run_dir']) / 'metrics.jsonl'}")
         if "val_loss" in summary:
             print(f"final validation loss: {summary['val_loss']:.4f} at step {summary['step']}")
+        _print_sample(trainer, summary)
     return summary
+
+
+def _print_sample(trainer: Trainer, summary: dict[str, Any]) -> None:
+    """Rank 0, at the end: a short sample from the trained model (trainer.sample_tokens=0: none)."""
+    t = trainer.cfg.trainer
+    if t.sample_tokens <= 0 or summary.get("stopped_early"):
+        return
+    from scape_train.generate import training_sample
+
+    try:
+        text = training_sample(trainer.model, trainer.tokenizer, t.sample_tokens, t.sample_prompt,
+                               seed=t.seed, autocast=trainer.autocast)
+    except Exception as exc:  # noqa: BLE001 - the run is done and saved; a sample never fails it
+        log.warning("no end-of-run sample: %s", exc)
+        return
+    summary["sample"] = text
+    print(f"sample ({t.sample_tokens} tokens, temperature 0.8, top-k 50):\n{text}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from scape_train.models.cache import KVCache
 from scape_train.models.config import ModelConfig
 from scape_train.models.layers import Attention, Block, CausalLM, GeluMLP, padded_vocab
 
@@ -40,10 +41,23 @@ class GPT(CausalLM):
         # re-establish after to_empty() (which would otherwise split a shared Parameter in two).
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(d, padded_vocab(cfg), bias=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]. With ``cache`` (incremental decoding, ``models/cache.py``) only
+        the new tokens are fed; positions continue from the cache's length."""
         t = self._check_input(input_ids)
+        if cache is not None:
+            return self._forward_cached(input_ids, cache, t)
         pos = torch.arange(t, device=input_ids.device)
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
         for layer in self.layers:
             x = layer(x)
+        return self._logits(self.norm(x))
+
+    def _forward_cached(self, input_ids: torch.Tensor, cache: KVCache, t: int) -> torch.Tensor:
+        cache.begin(t, input_ids.device)
+        pos = cache.positions(t, input_ids.device)          # [t] or [B, t] (left padding)
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x = layer(x, None, layer_cache)
+        cache.end(t)
         return self._logits(self.norm(x))

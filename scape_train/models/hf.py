@@ -316,6 +316,14 @@ def _gpt_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
     return ours
 
 
+def hf_model_config(path: str | Path) -> ModelConfig:
+    """The in-tree ModelConfig of a GPT-2 / Llama ``save_pretrained`` directory (or hub id), from
+    its config.json alone (no weights read); unsupported variants raise ValueError."""
+    from transformers import AutoConfig
+
+    return _config_from_hf(AutoConfig.from_pretrained(str(path)), name=Path(str(path)).name)
+
+
 def load_hf(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig]:
     """Load a GPT-2 or Llama ``save_pretrained`` directory into the in-tree model (fp32).
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from scape_train.models.cache import KVCache, LayerCache
 from scape_train.models.config import ModelConfig
 
 
@@ -56,7 +57,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, H, T, head_dim] by position; ``cos``/``sin`` are [T, head_dim]."""
+    """Rotate ``x`` [B, H, T, head_dim] by position; ``cos``/``sin`` are [T, head_dim] (or
+    [B, 1, T, head_dim]: per-row positions, for left-padded incremental decoding)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + _rotate_half(x) * sin
 
@@ -88,7 +90,10 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(resid_dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
@@ -96,14 +101,19 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        mask, causal = None, True
+        if cache is not None:  # incremental decoding: attend over everything cached so far
+            k, v = cache.update(k, v)
+            mask, causal = cache.parent.attn_mask, cache.parent.is_causal
         # enable_gqa lets SDPA share each K/V head across n_heads / n_kv_heads consecutive query
         # heads without materializing the repeated tensors (same grouping as HF's repeat_kv).
         y = F.scaled_dot_product_attention(
             q,
             k,
             v,
+            attn_mask=mask,
             dropout_p=self.attn_dropout if self.training else 0.0,
-            is_causal=True,
+            is_causal=causal,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
@@ -147,9 +157,12 @@ class Block(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+        x = x + self.attn(self.attn_norm(x), rope, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from scape_train.models.cache import KVCache
 from scape_train.models.config import ModelConfig
 from scape_train.models.layers import (
     Attention,
@@ -46,10 +47,29 @@ class Llama(CausalLM):
         self.norm = RMSNorm(d, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(d, padded_vocab(cfg), bias=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]. With ``cache`` (incremental decoding, ``models/cache.py``) only
+        the new tokens are fed; their rotary positions continue from the cache's length."""
         t = self._check_input(input_ids)
+        if cache is not None:
+            return self._forward_cached(input_ids, cache, t)
         rope = rope_cos_sin(t, self.head_dim, self.cfg.rope_theta, input_ids.device)
         x = self.tok_emb(input_ids)
         for layer in self.layers:
             x = layer(x, rope)
+        return self._logits(self.norm(x))
+
+    def _forward_cached(self, input_ids: torch.Tensor, cache: KVCache, t: int) -> torch.Tensor:
+        device = input_ids.device
+        cache.begin(t, device)
+        pos = cache.positions(t, device)                    # [t] or [B, t] (left padding)
+        # Rows of the full table: the same values rope_cos_sin(t) gives position by position.
+        cos, sin = rope_cos_sin(cache.max_len, self.head_dim, self.cfg.rope_theta, device)
+        cos, sin = cos[pos], sin[pos]
+        if pos.dim() == 2:                                  # per row: broadcast over heads
+            cos, sin = cos[:, None], sin[:, None]
+        x = self.tok_emb(input_ids)
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x = layer(x, (cos, sin), layer_cache)
+        cache.end(t)
         return self._logits(self.norm(x))
