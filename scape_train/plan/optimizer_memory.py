@@ -116,9 +116,17 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
     lo, hi = part.ranges[rank]
     n_own, k_own = hi - lo, counts[rank]
     torch_path = not on_gpu or o.use_triton == "off"
-    index = (lambda m: I64 * m) if torch_path else (lambda m: 0)
-    shard_bytes = max(1, max(packed_numel(hi_ - lo_) for lo_, hi_ in part.ranges))
-    in_flight = shard_bytes * world       # the next mask's packed all-gather buffer
+    # torch path: nonzero_static's int64 indices, except for a full mask (gather = a copy)
+    index = ((lambda m, of: 0 if m == of else I64 * m) if torch_path else (lambda m, of: 0))
+    from scape_train.optim.scape.mask_coding import MaskPlan
+    from scape_train.optim.scape.masks import mask_counts
+
+    # the next mask's coded all-gather buffer, as the configured coding sizes it; a mask known to
+    # be all ones is not sent at all and is held decoded (1 byte per element) instead
+    coded = MaskPlan(part, lay, [] if o.mask_coding == "bitmap" else mask_counts(part, lay, d),
+                     o.mask_coding, n).shard_bytes
+    shard_bytes = coded if coded else max(1, max(packed_numel(hi_ - lo_) for lo_, hi_ in part.ranges))
+    in_flight = shard_bytes * world if coded else n
 
     mem = OptimizerMemory()
     if o.sharded:
@@ -139,12 +147,12 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
     _assemble_mask(r, part, in_flight)     # M_t: the in-flight packed gather becomes a bool mask
     if not o.sharded:
         r.alloc(F32 * n, "candidate c")
-        with r.temp(index(k), "payload gather"):
+        with r.temp(index(k, n), "payload gather"):
             payload = r.alloc(F32 * k, "payload c[M]")
-        with r.temp(index(k), "ghat gather"):
+        with r.temp(index(k, n), "ghat gather"):
             ghat_c = r.alloc(F32 * k, "ghat[M]")
         ghat = r.alloc(F32 * n, "full-size ghat")
-        r.spike(index(k), "scattering ghat")
+        r.spike(index(k, n), "scattering ghat")
         r.spike(_adams_masked(o.bias_correction, lay.numels), "AdamS update (largest tensor)")
         r.free(payload, ghat_c, ghat)
         stat_bytes = 0                  # the statistic is a view of c
@@ -152,29 +160,29 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
         r.alloc(F32 * n, "x = (1-beta1) g")
         stat_bytes = r.alloc(F32 * n_own, "owner's candidate c^(o)")
         width = max(1, max(counts))
-        with r.temp(index(k), "payload gather"):
+        with r.temp(index(k, n), "payload gather"):
             payload = r.alloc(F32 * k, "payload x[M]")
         send = r.alloc(F32 * world * width, "reduce-scatter send buffer")
         recv = r.alloc(F32 * width, "reduce-scatter receive buffer")
         base = r.alloc(F32 * n_own, "base = beta1 m + rho")
-        with r.temp(index(k_own), "base gather"):
+        with r.temp(index(k_own, n_own), "base gather"):
             r.spike(F32 * k_own, "base[M]")
-        with r.temp(index(k_own), "ghat gather"):
+        with r.temp(index(k_own, n_own), "ghat gather"):
             ghat_c = r.alloc(F32 * k_own, "ghat[M]")
         r.spike(2 * I64 * k_own, "ghat norm in fp64")
         r.free(base)                    # base becomes rho; the old rho (state) is freed
         ghat = r.alloc(F32 * n_own, "owner's ghat")
-        r.spike(index(k_own), "scattering ghat")
+        r.spike(index(k_own, n_own), "scattering ghat")
         r.spike(_adams_masked(o.bias_correction, [s.numel for s in part.segments[rank]] or [0]),
                 "AdamS update (largest segment)")
         cat = r.alloc(F32 * n_own, "own parameters, flat")
-        with r.temp(index(k_own), "parameter gather"):
+        with r.temp(index(k_own, n_own), "parameter gather"):
             vals = r.alloc(F32 * k_own, "new parameter values at the mask")
         r.free(cat)
         shard = r.alloc(F32 * width, "parameter all-gather shard")
         gathered = r.alloc(F32 * width * world, "parameter all-gather buffer")
-        largest_seg = max((c for rc in seg_counts for c in rc), default=0)
-        r.spike(index(largest_seg), "scattering gathered parameters")
+        r.spike(max((index(c, sg.numel) for segs, rc in zip(part.segments, seg_counts)
+                     for sg, c in zip(segs, rc)), default=0), "scattering gathered parameters")
         r.free(payload, send, recv, ghat_c, ghat, vals, shard, gathered)
     bits = r.alloc(n_own, "owner's next-mask bits")
     cpu_topk = 0 if on_gpu else 16    # CPU topk sorts (value, int64 index) pairs of the whole slice

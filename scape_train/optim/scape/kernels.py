@@ -162,7 +162,9 @@ def _gather_torch(values: torch.Tensor, mask: torch.Tensor, count: int | None = 
         # boolean indexing returns elements in increasing (row-major) index order; its output
         # size is data-dependent: a host sync on CUDA
         return values.reshape(-1)[mask.reshape(-1)]
-    # the popcount known in advance: fixed-size indices, no host sync
+    if count == mask.numel():    # a full mask: the gather is a copy (no int64 indices)
+        return values.reshape(-1).clone()
+    # the popcount known in advance: fixed-size indices (8 bytes each), no host sync
     idx = torch.nonzero_static(mask.reshape(-1), size=count).reshape(-1)
     return values.reshape(-1).index_select(0, idx)
 
@@ -171,6 +173,9 @@ def _scatter_torch(payload: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
                    count: int | None = None) -> torch.Tensor:
     if count is None or not out.is_contiguous():
         out[mask] = payload  # index_put_ on `out` itself (also when it is a view)
+        return out
+    if count == mask.numel():    # a full mask: the scatter is a copy
+        out.view(-1).copy_(payload)
         return out
     idx = torch.nonzero_static(mask.reshape(-1), size=count).reshape(-1)
     out.view(-1).index_copy_(0, idx, payload)
