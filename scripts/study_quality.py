@@ -31,6 +31,7 @@ import functools
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -161,18 +162,23 @@ def series(rows: list[dict], key: str) -> list[list[float]]:
     return [[r["step"], r[key]] for r in rows if key in r]
 
 
-def collect(run: Run, run_dir: Path, wall_s: float, cmd: list[str]) -> dict[str, Any]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+def collect(run: Run, run_dir: Path, wall_s: float, cmd: list[str], diverged: bool = False
+            ) -> dict[str, Any]:
+    """The run's record. A diverged run (non-finite loss: the trainer stops) is a result too,
+    with ``final_val_loss`` None: the sweep ranks it last, the statistics leave it out."""
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] \
+        if metrics.exists() else []
     opt = OPTIMIZERS[run.optimizer]
     val = series(rows, "val_loss")
-    if not val or val[-1][0] != run.steps:
+    if not diverged and (not val or val[-1][0] != run.steps):
         raise RuntimeError(f"{run.id}: no final validation loss at step {run.steps} in {run_dir}")
     kind = "scape" if run.optimizer.startswith("scape") else "topk"
     return {
         "id": run.id, "optimizer": run.optimizer, "label": opt.label, "lr": run.lr,
         "seed": run.seed, "steps": run.steps, "stage": run.stage, "density": opt.density,
         "payload_dtype": opt.payload_dtype, "mask_coding": opt.mask_coding,
-        "final_val_loss": val[-1][1], "val_loss": val,
+        "final_val_loss": None if diverged else val[-1][1], "diverged": diverged, "val_loss": val,
         "train_loss": series(rows, "loss"),
         "residual_norm": series(rows, f"{kind}/residual_norm"),
         "mask_overlap": series(rows, f"{kind}/mask_overlap"),
@@ -213,14 +219,18 @@ def execute(run: Run, s: Settings, runs_dir: Path, keep_checkpoints: bool, log=p
     with open(run_dir / "train.log", "w") as out:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        tail = (run_dir / "train.log").read_text()[-3000:]
-        raise RuntimeError(f"{run.id} failed (exit {proc.returncode}); log {run_dir}/train.log:\n{tail}")
-    result = collect(run, run_dir / "train", wall, cmd)
+    text = (run_dir / "train.log").read_text()
+    # the trainer's NonFiniteLossError: "non-finite loss (nan) at step N. ..."
+    diverged = proc.returncode != 0 and re.search(r"non-finite loss \(.*?\) at step \d+", text) is not None
+    if proc.returncode != 0 and not diverged:
+        raise RuntimeError(f"{run.id} failed (exit {proc.returncode}); log {run_dir}/train.log:\n"
+                           f"{text[-3000:]}")
+    result = collect(run, run_dir / "train", wall, cmd, diverged)
     if not keep_checkpoints:
         shutil.rmtree(run_dir / "train" / "checkpoints", ignore_errors=True)
     write_atomic(run_dir / "result.json", json.dumps(result, indent=1))
-    log(f"   final val loss {result['final_val_loss']:.4f} in {wall:.0f} s")
+    log(f"   diverged (non-finite loss) after {wall:.0f} s" if diverged else
+        f"   final val loss {result['final_val_loss']:.4f} in {wall:.0f} s")
     return result
 
 
@@ -228,7 +238,8 @@ def execute(run: Run, s: Settings, runs_dir: Path, keep_checkpoints: bool, log=p
 
 
 def _sweep_done(results: dict[str, dict], opt: str, steps: int) -> dict[float, float]:
-    return {r["lr"]: r["final_val_loss"] for r in results.values() if r["optimizer"] == opt
+    return {r["lr"]: math.inf if r["final_val_loss"] is None else r["final_val_loss"]
+            for r in results.values() if r["optimizer"] == opt
             and r["seed"] == 0 and r["steps"] == steps and r["stage"] == "sweep"}
 
 
@@ -239,7 +250,8 @@ def best_lr(results: dict[str, dict], opt: str, s: Settings) -> float | None:
     done = _sweep_done(results, parent, s.main_horizon)
     if not done or any(lr not in done for lr in sweep_lrs(results, parent, s)):
         return None
-    return min(done, key=done.get)
+    best = min(done, key=done.get)
+    return None if math.isinf(done[best]) else best   # every lr diverged: no best
 
 
 def sweep_lrs(results: dict[str, dict], opt: str, s: Settings) -> list[float]:
@@ -304,7 +316,7 @@ def step_seconds(results: dict[str, dict], opt: str) -> float:
     measured default scaled by how much slower (or faster) the finished runs of the other
     families ran than their defaults (the machine's load)."""
     fam = _family(opt)
-    long = [r for r in results.values() if r["steps"] >= 100]
+    long = [r for r in results.values() if r["steps"] >= 100 and not r.get("diverged")]
     own = sorted(_measured_step_s(r) for r in long if _family(r["optimizer"]) == fam)
     if own:
         return own[len(own) // 2]
@@ -404,7 +416,7 @@ def paired_gap(a: dict[int, float], b: dict[int, float]) -> dict[str, Any] | Non
 def finals(results, opt: str, steps: int, lr: float | None) -> dict[int, float]:
     return {r["seed"]: r["final_val_loss"] for r in results.values()
             if r["optimizer"] == opt and r["steps"] == steps and lr is not None
-            and math.isclose(r["lr"], lr)}
+            and math.isclose(r["lr"], lr) and r["final_val_loss"] is not None}
 
 
 def summarize(results: dict[str, dict], s: Settings) -> dict[str, Any]:
@@ -418,6 +430,9 @@ def summarize(results: dict[str, dict], s: Settings) -> dict[str, Any]:
             sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else None
             gap = paired_gap(f, finals(results, BASELINE, s.main_horizon, lrs[BASELINE]))
             table[o] = {"label": opt.label, "lr": lrs[o], "n": len(v), "mean": mean, "sd": sd,
+                        "diverged": sum(1 for r in results.values() if r["optimizer"] == o and
+                                        r["final_val_loss"] is None and r["steps"] == s.main_horizon
+                                        and math.isclose(r["lr"], lrs[o])),
                         "gap": gap, "wall_s": sum(r["wall_s"] for r in results.values()
                                                   if r["optimizer"] == o)}
     gaps = {o: {} for o in GAPS}
@@ -427,8 +442,9 @@ def summarize(results: dict[str, dict], s: Settings) -> dict[str, Any]:
                            finals(results, BASELINE, steps, lrs[BASELINE]))
             if g:
                 gaps[o][steps] = g
-    sweeps = {o: sorted([[r["lr"], r["final_val_loss"]] for r in results.values()
-                         if r["optimizer"] == o and r["stage"] == "sweep"]) for o in OPTIMIZERS}
+    sweeps = {o: sorted(([r["lr"], r["final_val_loss"]] for r in results.values()
+                         if r["optimizer"] == o and r["stage"] == "sweep"), key=lambda x: x[0])
+              for o in OPTIMIZERS}
     return {"best_lr": lrs, "table": table, "gaps": gaps, "sweeps": {k: v for k, v in sweeps.items() if v}}
 
 
@@ -470,7 +486,7 @@ def plot(results, summary, s: Settings, fig_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
     for o, row in summary["table"].items():
         runs = [r for r in results.values() if r["optimizer"] == o and r["steps"] == s.main_horizon
-                and math.isclose(r["lr"], row["lr"])]
+                and math.isclose(r["lr"], row["lr"]) and r["final_val_loss"] is not None]
         st, mean, lo, hi = mean_curve(runs)
         line, = ax.plot(st, mean, "-", lw=1.4, label=f"{row['label']} (lr {row['lr']:g}, {len(runs)} seeds)")
         ax.fill_between(st, lo, hi, color=line.get_color(), alpha=0.18)
@@ -512,7 +528,8 @@ def plot(results, summary, s: Settings, fig_dir: Path) -> list[Path]:
     for o in ("scape90", "scape99", "topk99"):
         row = summary["table"].get(o)
         runs = [r for r in results.values() if row and r["optimizer"] == o and r["seed"] == 0
-                and r["steps"] == s.main_horizon and math.isclose(r["lr"], row["lr"])]
+                and r["steps"] == s.main_horizon and math.isclose(r["lr"], row["lr"])
+                and r["final_val_loss"] is not None]
         for ax, key in zip(axes, ("residual_norm", "mask_overlap")):
             if runs and runs[0][key]:
                 ax.plot(*zip(*runs[0][key]), "-", lw=1.2, label=OPTIMIZERS[o].label)
@@ -559,7 +576,8 @@ def mechanisms(results, summary, s: Settings) -> list[dict]:
     for o in ("scape90", "scape99", "topk99", "scape99_bf16", "scape99_fp8", "scape90_fp8"):
         row = summary["table"].get(o)
         run = next((r for r in results.values() if row and r["optimizer"] == o and r["seed"] == 0
-                    and r["steps"] == s.main_horizon and math.isclose(r["lr"], row["lr"])), None)
+                    and r["steps"] == s.main_horizon and math.isclose(r["lr"], row["lr"])
+                    and r["final_val_loss"] is not None), None)
         if run is None or not run["residual_norm"]:
             continue
         half = [v for st, v in run["mask_overlap"] if st > run["steps"] / 2]
@@ -612,12 +630,14 @@ def render(results, summary, s: Settings, planned, total_s: float, fig_rel: str 
         sd = f" ± {row['sd']:.4f}" if row["sd"] is not None else ""
         gap = "n/a" if g is None else (f"{g['mean']:+.4f}" + ("" if g["lo"] is None else
                                                            f" [{g['lo']:+.4f}, {g['hi']:+.4f}]"))
-        lines.append(f"| {row['label']} | {row['lr']:g} | {row['n']} | {row['mean']:.4f}{sd} | {gap} | "
+        div = f" ({row['diverged']} diverged, left out)" if row["diverged"] else ""
+        lines.append(f"| {row['label']} | {row['lr']:g} | {row['n']}{div} | {row['mean']:.4f}{sd} | {gap} | "
                      f"{row['wall_s']:.0f} |")
     lines += ["", "Learning-rate sweeps (seed 0, final validation loss):", "",
               "| optimizer | lr: final val loss |", "|---|---|"]
     for o, pts in summary["sweeps"].items():
-        lines.append(f"| {OPTIMIZERS[o].label} | " + ", ".join(f"{lr:g}: {v:.4f}" for lr, v in pts) + " |")
+        lines.append(f"| {OPTIMIZERS[o].label} | " + ", ".join(
+            f"{lr:g}: " + ("diverged" if v is None else f"{v:.4f}") for lr, v in pts) + " |")
     lines += ["", "Gap vs horizon (SCAPE - dense AdamS, paired seeds):", "",
               "| optimizer | horizon | seeds | gap mean | 95% CI |", "|---|---|---|---|---|"]
     for o, per in summary["gaps"].items():

@@ -112,6 +112,7 @@ def test_plan_stages_best_lr_edge_extension_and_report(tmp_path):
     for lr, a, b in [(1e-3, 5.3, 5.5), (2e-3, 5.1, 5.3), (4e-3, 5.2, 5.2)]:
         for r in (_fake("adams", lr, 0, 1000, a, "sweep"), _fake("scape99", lr, 0, 1000, b, "sweep")):
             res[r["id"]] = r
+    res["scape99_lr0.001_s0_h1000"].update(final_val_loss=None, diverged=True)   # diverged: last
     assert sq.best_lr(res, "adams", s) == 2e-3
     assert sq.sweep_lrs(res, "scape99", s) == [1e-3, 2e-3, 4e-3, 8e-3]
     assert sq.best_lr(res, "scape99", s) is None                       # its sweep is not finished
@@ -142,6 +143,7 @@ def test_plan_stages_best_lr_edge_extension_and_report(tmp_path):
     assert "99% sparsity: SCAPE matches dense AdamS within the paper's margins (0.02 at 90%, 0.04 at 99%) at horizon 3000: no, gap +0." in text           # ~0.1 worse than AdamS
     assert "SCAPE-99 | 4e-3 |" not in text and "| SCAPE-99 | 0.004 | 3 |" in text
     assert "| SCAPE-99 | 0.01 | 1 | 1 | 1 | 0.9 |" in text              # the mechanisms table
+    assert "| SCAPE-99 | 0.001: diverged, 0.002: 5.3000, 0.004: 5.2000, 0.008: 5.2500 |" in text
     for name in ("quality_study_curves.png", "quality_study_gap.png", "quality_study_mechanisms.png"):
         assert (tmp_path / "figures" / name).stat().st_size > 0
     assert payload["summary"]["best_lr"]["scape99"] == 4e-3
@@ -167,7 +169,7 @@ def test_report_without_data_says_not_run(tmp_path):
 
 
 @pytest.mark.dist
-def test_tiny_study_runs_two_optimizers_and_skips_finished_runs(tmp_path, capsys):
+def test_tiny_study_runs_two_optimizers_and_skips_finished_runs(tmp_path, capsys, monkeypatch):
     args = ["--shape", "tiny", "--ranks", "2", "--main-horizon", "2", "--horizons", "2",
             "--seeds", "1", "--lrs", "0.003", "--optimizers", "adams", "scape99",
             "--out-dir", str(tmp_path / "out"), "--json", str(tmp_path / "docs" / "figures" / "q.json"),
@@ -199,3 +201,13 @@ def test_tiny_study_runs_two_optimizers_and_skips_finished_runs(tmp_path, capsys
     out = capsys.readouterr().out
     assert "2 finished" in out and "ran 0 runs" in out
     assert (tmp_path / "out" / "runs" / sc["id"] / "result.json").stat().st_mtime_ns == stamp
+    # a diverging run (non-finite loss at step 2: the trainer stops) is a result, not a failure
+    monkeypatch.setenv("SCAPE_FAULT_NAN_STEPS", "2")
+    i = args.index("--optimizers")
+    assert sq.main(args[:i + 1] + ["topk99"] + args[i + 1:]) == 0
+    out = capsys.readouterr().out
+    assert "ran 1 runs" in out and "diverged" in out
+    data = json.loads((tmp_path / "docs" / "figures" / "q.json").read_text())
+    tk = next(r for r in data["runs"] if r["optimizer"] == "topk99")
+    assert tk["diverged"] and tk["final_val_loss"] is None and tk["residual_norm"][0][0] == 1
+    assert "top-k AdamW 99% | 0.003: diverged" in (tmp_path / "docs" / "quality.md").read_text()
