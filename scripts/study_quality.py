@@ -27,6 +27,7 @@ so the study runs in pieces (``--max-runs``, ``--stage``, ``--only``). After eac
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
 import json
 import math
@@ -749,22 +750,33 @@ def main(argv=None) -> int:
                 print(f"  {r.id:34s} {state:20s} ~{estimate_s(r, results):.0f} s")
         return 0
     json_path, report = Path(a.json), Path(a.report)
-    ran = 0
-    while not a.report_only:
-        todo = [(r, ok) for r, ok in stage_filter(planned, a.stage, a.only) if r.id not in results]
-        ready = [r for r, ok in todo if ok]
-        if not ready or (a.max_runs and ran >= a.max_runs):
-            if todo and not ready:
-                print(f"{len(todo)} runs wait for their sweep (run --stage sweep first)")
-            break
-        run = ready[0]
-        results[run.id] = execute(run, s, runs_dir, a.keep_checkpoints)
-        ran += 1
-        s, planned, total = apply_budget(results, base, a.budget_hours, not a.no_cuts)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(runs_dir / ".lock", "w")   # one invocation at a time per study directory
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"another study_quality.py is running on {runs_dir}; exiting", file=sys.stderr)
+        lock.close()
+        return 1
+    try:
+        ran = 0
+        while not a.report_only:
+            todo = [(r, ok) for r, ok in stage_filter(planned, a.stage, a.only) if r.id not in results]
+            ready = [r for r, ok in todo if ok]
+            if not ready or (a.max_runs and ran >= a.max_runs):
+                if todo and not ready:
+                    print(f"{len(todo)} runs wait for their sweep (run --stage sweep first)")
+                break
+            run = ready[0]
+            results[run.id] = execute(run, s, runs_dir, a.keep_checkpoints)
+            ran += 1
+            s, planned, total = apply_budget(results, base, a.budget_hours, not a.no_cuts)
+            write_outputs(results, s, planned, total, json_path, report)
         write_outputs(results, s, planned, total, json_path, report)
-    write_outputs(results, s, planned, total, json_path, report)
-    print(f"ran {ran} runs; wrote {json_path} and {report}")
-    return 0
+        print(f"ran {ran} runs; wrote {json_path} and {report}")
+        return 0
+    finally:
+        lock.close()
 
 
 if __name__ == "__main__":

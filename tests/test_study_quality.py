@@ -211,3 +211,15 @@ def test_tiny_study_runs_two_optimizers_and_skips_finished_runs(tmp_path, capsys
     tk = next(r for r in data["runs"] if r["optimizer"] == "topk99")
     assert tk["diverged"] and tk["final_val_loss"] is None and tk["residual_norm"][0][0] == 1
     assert "top-k AdamW 99% | 0.003: diverged" in (tmp_path / "docs" / "quality.md").read_text()
+
+
+def test_one_invocation_at_a_time(tmp_path):
+    import fcntl
+
+    args = ["--report-only", "--out-dir", str(tmp_path / "out"), "--json", str(tmp_path / "q.json"),
+            "--report", str(tmp_path / "q.md")]
+    (tmp_path / "out" / "runs").mkdir(parents=True)
+    with open(tmp_path / "out" / "runs" / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert sq.main(args) == 1 and not (tmp_path / "q.md").exists()
+    assert sq.main(args) == 0 and "has not been run yet" in (tmp_path / "q.md").read_text()
