@@ -6,6 +6,10 @@ ONE all-gather (kind ``payload``; indices bit-cast into the float buffer), the a
 ranks' sparse vectors becomes the gradient, then clipping and AdamW as usual. Unlike SCAPE, each
 rank picks its own indices, so the union fills in as ranks are added, and the sparsified quantity
 is the raw gradient -- the setting the paper reports as unstable at high sparsity.
+
+Logged like SCAPE's (for the paper's temporal-stability comparison): ``topk/residual_norm`` (this
+rank's ``‖e‖``) and ``topk/mask_overlap``, the fraction of this rank's kept entries at step t that
+were also kept at step t-1 -- both 0-d device tensors, read only at log steps (no host sync).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class TopKAdamWStrategy(OptimizerStrategy):
             raise ValueError("topk_adamw packs int32 indices: more than 2^31 parameters")
         self.residual = torch.zeros(total, dtype=torch.float32, device=self.params[0].device)
         self.steps_done = 0
+        # this rank's previous selection as a bitmap (mask overlap); None until a step ran here
+        self._prev_mask: torch.Tensor | None = None
 
     def _select(self, acc: torch.Tensor, density: float) -> torch.Tensor:
         """Flat indices (int64) of the kept entries, per tensor."""
@@ -80,8 +86,16 @@ class TopKAdamWStrategy(OptimizerStrategy):
         norm = grad_norm_and_clip(self.params, c.clip_grad, c.foreach)
         self.optimizer.step()
         self.steps_done = t
-        return {"grad_norm": norm, "topk/payload_numel": float(k),
-                "topk/residual_norm": self.residual.norm()}
+        metrics = {"grad_norm": norm, "topk/payload_numel": float(k),
+                   "topk/residual_norm": self.residual.norm()}
+        # temporal stability, as SCAPE computes it: kept entries of step t already kept at t-1
+        if self._prev_mask is None:
+            self._prev_mask = torch.zeros(acc.numel(), dtype=torch.bool, device=acc.device)
+        else:
+            metrics["topk/mask_overlap"] = torch.count_nonzero(self._prev_mask[idx]) / max(k, 1)
+            self._prev_mask.zero_()
+        self._prev_mask.index_fill_(0, idx, True)
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": named_state_dict(self.optimizer, self._names), "step": self.steps_done,
@@ -102,6 +116,7 @@ class TopKAdamWStrategy(OptimizerStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_named_state_dict(self.optimizer, state["optimizer"], self._names)
         self.steps_done = int(state["step"])
+        self._prev_mask = None   # the first step after a load has no previous selection here
         if state["rank"] == self.comm.rank and state["world"] == self.comm.world:
             for i, n in enumerate(self.names):
                 self.residual[self.offsets[i]:self.offsets[i + 1]].copy_(
