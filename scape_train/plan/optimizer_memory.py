@@ -241,7 +241,8 @@ def _topk(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory:
     d = density_at(1, o.density, o.density_warmup_steps, o.density_schedule)
     ks = [n if (o.exclude_norm_bias and nd < 2) else segment_k(n, d) for n, nd in zip(p.numels, p.ndims)]
     k, n = sum(ks), p.total
-    mem = OptimizerMemory(state=_adam_state("adamw", n) + [("top-k residual (fp32)", F32 * n)])
+    mem = OptimizerMemory(state=_adam_state("adamw", n) + [("top-k residual (fp32)", F32 * n),
+                                                          ("previous selection (bool, overlap metric)", n)])
     r = Replay()
     r.alloc(F32 * n, "accumulated gradient g + e")
     cpu_topk = 0 if on_gpu else 16
