@@ -161,6 +161,55 @@ class _Group:
                                        output_size=total)
 
 
+_EF_CACHE: list = []          # [(plan, device, tables)]: the plans in use (at most two)
+
+
+def _ef_tables(plan: "MaskPlan", grp: "_Group", device: torch.device) -> dict:
+    """Per-one constants of a plan's Elias-Fano group: where each one's low field starts (byte,
+    bit shift), its width, mask, segment start and high-part offset, and the byte index of the
+    concatenated upper vectors. Cached for the last two plans only (the warm-up visits each
+    density once; the tables are ~5 int64 per one)."""
+    for p, d, t in _EF_CACHE:
+        if p is plan and d == device:
+            return t
+    seg = grp.seg_of(grp.k, grp.ones)
+    within = torch.arange(grp.ones, device=device) - grp.kcum[seg]
+    width = grp.width[seg]
+    start = grp.low_bit[seg] + within * width
+    bseg = grp.seg_of(grp.high_bytes, grp.high_total)
+    max_w = max((s.width for codes in plan.segs for s in codes if s.kind == ELIAS_FANO),
+                default=0)                                  # from the host plan: no read back
+    t = {"byte": start >> 3, "shift": start & 7, "width": width,
+         "low_mask": torch.bitwise_left_shift(torch.ones_like(width), width) - 1,
+         "nread": max(1, -(-(max_w + 7) // 8)),
+         "high_base": 8 * grp.hcum[seg] + within, "flat_start": grp.flat_start[seg],
+         "bidx": grp.high_byte[bseg] + torch.arange(grp.high_total, device=device)
+         - grp.hcum[bseg]}
+    # Sorted flat indices of the whole mask: when every other segment is all ones, each
+    # segment's ones form one block of the sorted list, in flat order; the all-ones blocks are
+    # constant (``sorted``), the Elias-Fano ones land at ``dest``.
+    t["sorted"] = t["dest"] = None
+    flat = [s for codes in plan.segs for s in codes]
+    if all(s.kind in (ALL, ELIAS_FANO) for s in flat):
+        blocks, fixed, at = [], [], 0
+        for s in flat:
+            if s.kind == ELIAS_FANO:
+                blocks.append(at)
+                at += s.k
+            else:
+                fixed.append((at, s.flat_start, s.numel))
+                at += s.numel
+        srt = torch.empty(at, dtype=torch.int64, device=device)
+        for a, f, n in fixed:
+            srt[a:a + n] = torch.arange(f, f + n, device=device)
+        # EF segments in the group are in the same (owner, segment) order as ``flat``
+        t["dest"] = torch.tensor(blocks, dtype=torch.int64, device=device)[seg] + within
+        t["sorted"] = srt
+    _EF_CACHE.append((plan, device, t))
+    del _EF_CACHE[:-2]
+    return t
+
+
 class MaskPlan:
     """Every owner's segment codings for a mask of one density, and the shard they fill."""
 
@@ -230,6 +279,20 @@ class MaskPlan:
     def decode(self, gathered: torch.Tensor | None, device: torch.device,
                backend: str = "auto") -> torch.Tensor:
         """The full bool mask from every owner's shard (``world·shard_bytes`` uint8)."""
+        return self.decode_with_indices(gathered, device, backend)[0]
+
+    def decode_with_indices(self, gathered: torch.Tensor | None, device: torch.device,
+                            backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(mask, indices)``: the full bool mask and, when every segment is Elias-Fano coded
+        or all ones, the flat indices of its ones in increasing order (what
+        ``nonzero_static(mask)`` gives, without the full-size pass); else ``None``."""
+        self._indices = None
+        mask = self._decode(gathered, device, backend)
+        idx, self._indices = self._indices, None
+        return mask, idx
+
+    def _decode(self, gathered: torch.Tensor | None, device: torch.device,
+                backend: str = "auto") -> torch.Tensor:
         if self.legacy:
             assert gathered is not None
             pieces = []
@@ -267,20 +330,21 @@ class MaskPlan:
                                                             width))
         grp = tables[ELIAS_FANO]
         if grp is not None and grp.ones:
-            seg = grp.seg_of(grp.k, grp.ones)
-            within = torch.arange(grp.ones, device=device) - grp.kcum[seg]
-            width = grp.width[seg]
-            low = _read_fields(buf, grp.low_bit[seg] + within * width, width)
+            # every position-only quantity (field start bits, widths, offsets) comes from the
+            # plan: computed once per plan (see _ef_tables), not per step
+            ef = _ef_tables(self, grp, device)
+            word = buf.index_select(0, ef["byte"]).long()
+            for i in range(1, ef["nread"]):
+                word |= buf.index_select(0, ef["byte"] + i).long() << (8 * i)
+            low = (word >> ef["shift"]) & ef["low_mask"]
             # the upper bit vectors, concatenated: segment g holds exactly k_g ones, so the
-            # j-th one overall belongs to seg[j]
-            bseg = grp.seg_of(grp.high_bytes, grp.high_total)
-            bidx = (grp.high_byte[bseg] + torch.arange(grp.high_total, device=device)
-                    - grp.hcum[bseg])
-            bits = unpack_bits(gathered.index_select(0, bidx), 8 * grp.high_total,
+            # j-th one overall belongs to segment g; its high part is pos - (8·hcum_g + j_g)
+            bits = unpack_bits(gathered.index_select(0, ef["bidx"]), 8 * grp.high_total,
                                backend=backend)
             pos = torch.nonzero_static(bits, size=grp.ones).view(-1)
-            high = pos - 8 * grp.hcum[seg] - within
-            found.append(grp.flat_start[seg] + (high << width) + low)
+            found.append(((pos - ef["high_base"]) << ef["width"]) + low + ef["flat_start"])
+            if ef["sorted"] is not None:        # the plan's other segments are all ones
+                self._indices = ef["sorted"].clone().index_copy_(0, ef["dest"], found[-1])
         if found:
             mask.index_fill_(0, torch.cat(found), True)
         return mask
