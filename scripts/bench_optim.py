@@ -10,7 +10,9 @@ that rank's range (a quarter of the model for 4 ranks), and the collectives are 
 stand-ins (:class:`LocalComm`: the all-reduce keeps the rank's own payload, the reduce-scatter
 keeps its own chunk, the all-gathers fill the other ranks' rows with a valid mask / their values),
 so the figure is the local work of one rank, no communication. Contenders (dense AdamW, dense
-AdamS, SCAPE reference and fused, replicated and sharded, at densities 0.1 and 0.01) ALTERNATE:
+AdamS, SCAPE reference and fused, replicated and sharded, at densities 0.1 and 0.01; the default
+``mask_coding=auto`` (Elias-Fano at these densities) and, for the fused replicated step, the
+``bitmap`` coding, cheaper to decode, larger on the wire) ALTERNATE:
 each round runs one step of each, and the table gives medians over rounds (after warm-up rounds).
 
 Per SCAPE step the phases are timed by wrapping the strategy's methods (CPU ops are synchronous):
@@ -225,6 +227,8 @@ def main() -> None:
         for impl in ("reference", "fused"):
             contenders[f"SCAPE {impl}, d={d}"] = ("scape", args.world, dict(
                 density=d, scape_impl=impl))
+        contenders[f"SCAPE fused, d={d}, bitmap mask"] = ("scape", args.world, dict(
+            density=d, scape_impl="fused", mask_coding="bitmap"))
         if not args.no_sharded:
             contenders[f"SCAPE fused sharded, d={d}"] = ("scape", args.world, dict(
                 density=d, scape_impl="fused", sharded=True))
