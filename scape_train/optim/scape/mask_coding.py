@@ -161,17 +161,14 @@ class _Group:
                                        output_size=total)
 
 
-_EF_CACHE: list = []          # [(plan, device, tables)]: the plans in use (at most two)
-
-
 def _ef_tables(plan: "MaskPlan", grp: "_Group", device: torch.device) -> dict:
     """Per-one constants of a plan's Elias-Fano group: where each one's low field starts (byte,
     bit shift), its width, mask, segment start and high-part offset, and the byte index of the
     concatenated upper vectors. Cached for the last two plans only (the warm-up visits each
     density once; the tables are ~5 int64 per one)."""
-    for p, d, t in _EF_CACHE:
-        if p is plan and d == device:
-            return t
+    key = str(device)
+    if key in plan._ef:
+        return plan._ef[key]
     seg = grp.seg_of(grp.k, grp.ones)
     within = torch.arange(grp.ones, device=device) - grp.kcum[seg]
     width = grp.width[seg]
@@ -205,8 +202,7 @@ def _ef_tables(plan: "MaskPlan", grp: "_Group", device: torch.device) -> dict:
         # EF segments in the group are in the same (owner, segment) order as ``flat``
         t["dest"] = torch.tensor(blocks, dtype=torch.int64, device=device)[seg] + within
         t["sorted"] = srt
-    _EF_CACHE.append((plan, device, t))
-    del _EF_CACHE[:-2]
+    plan._ef[key] = t
     return t
 
 
@@ -221,6 +217,7 @@ class MaskPlan:
         self.legacy = coding == "bitmap"
         self.lengths = [hi - lo for lo, hi in part.ranges]
         self.segs: list[list[SegCode]] = []
+        self._ef: dict = {}
         if self.legacy:
             # today's format: the whole range packed, shards padded to the largest (at least 1)
             self.rank_bytes = [packed_numel(n) for n in self.lengths]
@@ -238,6 +235,11 @@ class MaskPlan:
         self.rank_bytes = [sum(s.nbytes for s in codes) for codes in self.segs]
         self.shard_bytes = max(self.rank_bytes)    # 0: every segment all ones, nothing to send
         self._tables: dict = {}
+        self._ef: dict = {}          # per device: the Elias-Fano decode tables (_ef_tables)
+
+    def drop_decode_tables(self) -> None:
+        """Free the per-one decode tables (a plan no longer in use)."""
+        self._ef = {}
 
     def kinds(self) -> dict[str, int]:
         """How many segments use each coding (for reports)."""

@@ -106,6 +106,8 @@ class MaskExchange:
         if density not in self._plans:
             if len(self._plans) > 64:
                 self._plans.clear()
+            for old in self._plans.values():   # per-one decode tables: the newest plan only
+                old.drop_decode_tables()
             counts = ([] if self.coding == "bitmap"
                       else mask_counts(self.part, self.layout, density))
             self._plans[density] = MaskPlan(self.part, self.layout, counts, self.coding,
