@@ -475,6 +475,20 @@ def mean_curve(runs: list[dict], key: str = "val_loss"):
             [min(v) for _, v in keep], [max(v) for _, v in keep])
 
 
+
+def _save_figure(fig, axes, path: Path) -> Path:
+    """Grid, legend (when anything is labelled), tight layout; written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
 def plot(results, summary, s: Settings, fig_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -493,13 +507,7 @@ def plot(results, summary, s: Settings, fig_dir: Path) -> list[Path]:
         ax.fill_between(st, lo, hi, color=line.get_color(), alpha=0.18)
     ax.set(xlabel="step", ylabel="validation loss (nats/token)",
            title=f"{s.main_horizon} steps, best lr per optimizer; band: seed min-max")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(fig_dir / "quality_study_curves.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
+    paths.append(_save_figure(fig, [ax], fig_dir / "quality_study_curves.png"))
     # 2. the gap vs horizon with its 95% interval
     fig, ax = plt.subplots(figsize=(6.5, 4), dpi=110)
     for i, (o, per) in enumerate(summary["gaps"].items()):
@@ -517,13 +525,7 @@ def plot(results, summary, s: Settings, fig_dir: Path) -> list[Path]:
     ax.set_xscale("log")
     ax.set(xlabel="horizon (steps)", ylabel="val loss gap vs dense AdamS",
            title="SCAPE - AdamS, paired seeds, 95% t-interval")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(fig_dir / "quality_study_gap.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
+    paths.append(_save_figure(fig, [ax], fig_dir / "quality_study_gap.png"))
     # 3. the mechanisms: residual norm and mask overlap over steps (seed 0, best lr, main horizon)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
     for o in ("scape90", "scape99", "topk99"):
@@ -537,14 +539,7 @@ def plot(results, summary, s: Settings, fig_dir: Path) -> list[Path]:
     axes[0].set(xlabel="step", ylabel="rank 0 residual norm", yscale="log",
                 title="error-feedback residual (SCAPE: momentum; top-k: raw gradient)")
     axes[1].set(xlabel="step", ylabel="|M_t & M_{t-1}| / |M_t|", title="consecutive-mask overlap")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(fig_dir / "quality_study_mechanisms.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
+    paths.append(_save_figure(fig, axes, fig_dir / "quality_study_mechanisms.png"))
     return paths
 
 
