@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,10 @@ def test_wandb_offline_logs_config_and_resumes_same_run(tmp_path, tok_cache):
     assert [r["step"] for r in rows if "val_loss" in r] == [6]
     assert losses(tmp_path) == first                  # the replayed steps, bit for bit
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and runs[0].name.endswith(run_id)
+    # W&B names the directory offline-run-<time>-<id>, adding -1, -2... when a run of that id
+    # started in the same second (a fast resume)
+    assert len(runs) == 1 and re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?",
+                                           runs[0].name), runs
     history = wandb_history(runs[0])
     assert [h["_step"] for h in history] == [1, 2, 3, 4, 5, 6]
     assert {h["_step"]: h["loss"] for h in history} == first
