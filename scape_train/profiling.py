@@ -14,6 +14,14 @@ honestly even where it is not the exact kernel count.
     with DeviceOpCounter() as ops:
         strategy.step(lr)
     ops.host_syncs, ops.launches, ops.sync_sites   # counts, and which ops synced (name: count)
+    ops.bytes_moved                                # bytes read + written by the computing ops
+
+``bytes_moved`` is the memory traffic the dispatched ops ask for, counted per op as the nbytes of
+its tensor inputs plus its outputs (an in-place op's ``self`` is read and written; ``out=`` and
+``fill_``/``zero_``/``copy_`` targets are written only), and for the index ops
+(``index_select``, ``index_copy_``, ``index_fill_``, ``index_add_``, ``gather``, ``scatter_``,
+``index``, ``index_put_``) only the touched elements and the index. It ignores caches and
+fusion: a model of DRAM traffic for unfused kernels, a code-path comparison, not a measurement.
 """
 
 from __future__ import annotations
@@ -79,6 +87,44 @@ def _is_d2h_copy(func, args, kwargs) -> bool:
     return False
 
 
+_WRITE_ONLY = {"fill_", "zero_", "copy_", "normal_", "uniform_", "random_"}
+_INDEX_READ = {"index_select", "gather", "index"}             # output-sized reads of self
+_INDEX_WRITE = {"index_copy_", "index_add_", "scatter_", "index_put_"}  # source-sized writes
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def _nb(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def op_bytes(func, args, kwargs, out) -> int:
+    """Bytes read + written by one dispatched op (see the module docstring)."""
+    name = func.overloadpacket.__name__
+    outs = list(_tensors(out))
+    if name in _INDEX_READ:
+        idx = [t for t in _tensors(args[1:]) if t.dtype in (torch.int64, torch.int32, torch.bool)]
+        return _nb(idx) + 2 * _nb(outs)
+    if name in _INDEX_WRITE:
+        rest = list(_tensors(args[1:]))
+        return 2 * _nb(rest) - _nb([t for t in rest if t.dtype in (torch.int64, torch.int32)])
+    if name == "index_fill_":
+        idx = args[2]
+        return idx.numel() * args[0].element_size() + _nb([idx])
+    if name in _WRITE_ONLY:
+        return _nb(list(_tensors(args[1:]))) + _nb(outs)
+    ins = list(_tensors(args)) + list(_tensors([v for k, v in kwargs.items() if k != "out"]))
+    if not outs and name.endswith("_") and args:     # in-place foreach ops return nothing
+        outs = list(_tensors(args[0]))
+    return _nb(ins) + _nb(outs)
+
+
 class _Dispatch(TorchDispatchMode):
     def __init__(self, owner: "DeviceOpCounter"):
         super().__init__()
@@ -96,6 +142,9 @@ class _Dispatch(TorchDispatchMode):
         if func not in _FREE_OPS and not func.is_view and func.namespace == "aten":
             o.launches += 1
             o.ops[str(func.overloadpacket.__name__)] += 1
+            out = func(*args, **kwargs)
+            o.bytes_moved += op_bytes(func, args, kwargs, out)
+            return out
         return func(*args, **kwargs)
 
 
@@ -118,6 +167,7 @@ class DeviceOpCounter:
         self.ops: Counter = Counter()
         self.launches = 0
         self.host_scalar_reads = 0
+        self.bytes_moved = 0
 
     @property
     def host_syncs(self) -> int:

@@ -1,16 +1,26 @@
 #!/usr/bin/env python
-"""Optimizer step time on the CPU, one rank, a ~50M-parameter Llama: AdamW, AdamS, SCAPE's local work.
+"""Optimizer step time on the CPU, a ~50M-parameter Llama: dense AdamW/AdamS vs SCAPE's local step.
 
-    .venv/bin/python scripts/bench_optim.py [--repeats 5] [--threads 1] [--docs docs/figures]
+    .venv/bin/python scripts/bench_optim.py [--repeats 7] [--threads 1] [--world 4] \
+        [--docs docs/figures]
 
-Every timing is the project's own code path with random gradients (the timing excludes filling
-them): the dense strategy's ``step`` (clip + torch AdamW foreach, or clip + AdamS) and SCAPE's
-``step`` in one process (no collective runs: the world is one), plus SCAPE's local phases one by
-one: flattening the gradients, the candidate and residual fold (``prepare``), the masked update
-(``update``: payload gather, ĝ, clipping, masked AdamS), the owner's top-k and packing the bits.
-Top-k is timed over the whole model (one owner) and over one rank's range of a 4-rank tensor
-partition (what each rank of bench_speed's cluster does). Written: bench_optim.json and
-bench_optim_table.md under ``--docs``.
+Every timing is the project's own ``strategy.step`` with random gradients (filling them is not
+timed). SCAPE runs as ONE rank (rank 0) of a ``--world``-rank tensor partition: its top-k covers
+that rank's range (a quarter of the model for 4 ranks), and the collectives are replaced by local
+stand-ins (:class:`LocalComm`: the all-reduce keeps the rank's own payload, the reduce-scatter
+keeps its own chunk, the all-gathers fill the other ranks' rows with a valid mask / their values),
+so the figure is the local work of one rank, no communication. Contenders (dense AdamW, dense
+AdamS, SCAPE reference and fused, replicated and sharded, at densities 0.1 and 0.01; the default
+``mask_coding=auto`` (Elias-Fano at these densities) and, for the fused replicated step, the
+``bitmap`` coding, cheaper to decode, larger on the wire) ALTERNATE:
+each round runs one step of each, and the table gives medians over rounds (after warm-up rounds).
+
+Per SCAPE step the phases are timed by wrapping the strategy's methods (CPU ops are synchronous):
+gradients (flat copy for the reference path), candidate + residual (``prepare``), payload / ĝ /
+clip / AdamS (``update``), the owner's top-k, the mask encode + gather start, the end-of-step
+residual fold, and the mask wait + decode. ``B/param``: bytes read + written per parameter by the
+dispatched ops of one step (:class:`scape_train.profiling.DeviceOpCounter`'s ``bytes_moved``).
+Written: bench_optim.json and bench_optim_table.md under ``--docs``.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -31,14 +42,41 @@ sys.path.insert(0, str(REPO))
 from scape_train.models import build_model  # noqa: E402
 from scape_train.models.config import ModelConfig  # noqa: E402
 from scape_train.optim import build_optimizer  # noqa: E402
+from scape_train.optim.comm import Comm, Handle  # noqa: E402
 from scape_train.optim.config import OptimizerConfig  # noqa: E402
-from scape_train.optim.scape.kernels import pack_bits  # noqa: E402
+from scape_train.optim.scape import strategy as scape_strategy  # noqa: E402
 from scape_train.optim.scape.masks import topk_own_mask  # noqa: E402
-from scape_train.optim.scape.partition import build_partition  # noqa: E402
+from scape_train.profiling import DeviceOpCounter  # noqa: E402
 
 # 8 blocks of width 640 and an 8k vocab: ~50M parameters (10.5M of them in the embeddings).
 MODEL = ModelConfig(name="llama_50m", arch="llama", n_layers=8, d_model=640, n_heads=10,
                     n_kv_heads=2, ffn_dim=2048, max_seq_len=256, vocab_size=8192)
+
+
+class LocalComm(Comm):
+    """Rank ``rank`` of a ``world``-rank group whose collectives are local stand-ins (shapes and
+    the work around them as in a real run; no data moves between processes)."""
+
+    def __init__(self, world: int, rank: int = 0):
+        super().__init__()
+        self.world, self.rank = world, rank
+        self.mask_rows: torch.Tensor | None = None   # every rank's coded next-mask bytes
+
+    def all_reduce(self, tensor, *, kind, average=True, op="sum", async_op=False):
+        return Handle(self, kind)
+
+    def all_gather(self, output, shard, *, kind, async_op=False):
+        rows = output.view(self.world, -1)
+        if kind == "mask" and self.mask_rows is not None:
+            rows.copy_(self.mask_rows.view(self.world, -1))
+            rows[self.rank].copy_(shard.view(-1))
+        else:
+            rows.copy_(shard.view(1, -1).expand_as(rows))
+        return Handle(self, kind)
+
+    def reduce_scatter(self, output, input, *, kind, average=True, async_op=False):
+        output.copy_(input.view(self.world, -1)[self.rank])
+        return Handle(self, kind)
 
 
 def fill_grads(model: torch.nn.Module, seed: int) -> None:
@@ -47,93 +85,157 @@ def fill_grads(model: torch.nn.Module, seed: int) -> None:
         p.grad = torch.randn(p.shape, generator=g) * 1e-2
 
 
-def timed(fn, before, repeats: int, warmup: int = 2) -> dict[str, float]:
-    """``before()`` (untimed) then ``fn()`` (timed), ``warmup + repeats`` times."""
-    times = []
+class Phases:
+    """Wall time per phase of one SCAPE step, by wrapping the strategy's methods."""
+
+    def __init__(self, s):
+        self.t: dict[str, float] = defaultdict(float)
+        eng = s.engine
+        self._wrap(s, "_flat_grads", "gradients: flat copy")
+        self._wrap(s, "_grads", "gradients: flat copy")   # fused: views, ~0
+        self._wrap(s, "next_mask", "mask wait + decode")
+        self._wrap(eng, "prepare", "candidate + residual (prepare)")
+        self._wrap(eng, "update", "payload, ĝ, clip, AdamS (update)")
+        self._wrap(eng, "finish_step", "residual fold + norm (finish_step)")
+        self._wrap(s.exchange, "start", "mask encode + gather start")
+
+    def _wrap(self, obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[label] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+
+_TOPK_T = defaultdict(float)
+
+
+def _timed_topk(*a, **k):
+    t0 = time.perf_counter()
+    try:
+        return topk_own_mask(*a, **k)
+    finally:
+        _TOPK_T["t"] += time.perf_counter() - t0
+
+
+scape_strategy.topk_own_mask = _timed_topk   # the strategy's top-k, timed
+
+
+def build(model, name: str, world: int, kw: dict):
+    if name != "scape":
+        return build_optimizer(OptimizerConfig(name=name, **kw), model), None
+    comm = LocalComm(world)
+    s = build_optimizer(OptimizerConfig(name="scape", density_warmup_steps=0, use_triton="off",
+                                        **kw), model, comm)
+    d = kw["density"]
+    stat = torch.randn(s.layout.total, generator=torch.Generator().manual_seed(7))
+    plan = s.exchange.plan(d)
+    rows = [plan.encode(topk_own_mask(stat[lo:hi], s.part, r, s.layout, d), r, "torch")
+            for r, (lo, hi) in enumerate(s.part.ranges)]
+    comm.mask_rows = torch.cat([r.view(-1) for r in rows])
+    return s, Phases(s)
+
+
+def step_bytes(s, model, params: int) -> float:
+    fill_grads(model, 999)
+    with DeviceOpCounter() as ops:
+        s.step(1e-3)
+    return ops.bytes_moved / params
+
+
+def run(model, contenders: dict, repeats: int, warmup: int) -> dict:
+    built = {name: build(model, *spec) for name, spec in contenders.items()}
+    params = sum(p.numel() for p in model.parameters())
+    res: dict[str, dict] = {n: {"times": [], "phases": defaultdict(list)} for n in contenders}
     for i in range(warmup + repeats):
-        before(i)
-        t0 = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return {"median": statistics.median(times), "min": min(times), "max": max(times),
-            "n": len(times)}
-
-
-def strategy_step(name: str, model, repeats: int, **kw) -> dict[str, float]:
-    strategy = build_optimizer(OptimizerConfig(name=name, **kw), model)
-    res = timed(lambda: strategy.step(1e-3), lambda i: fill_grads(model, i), repeats)
-    strategy.close()
-    return res
-
-
-def scape_phases(model, density: float, repeats: int) -> dict[str, dict[str, float]]:
-    cfg = OptimizerConfig(name="scape", density=density, density_warmup_steps=0, use_triton="off")
-    s = build_optimizer(cfg, model)
-    lay, eng = s.layout, s.engine
-    fill_grads(model, 0)
-    g = s._flat_grads()
-    mask = topk_own_mask(g, s.part, 0, lay, density)   # a mask of the right density
-    state = {"step": 0}
-    out: dict[str, dict[str, float]] = {}
-    out["flatten grads"] = timed(s._flat_grads, lambda i: None, repeats)
-    out["candidate + residual fold"] = timed(lambda: eng.prepare(g, mask), lambda i: None, repeats)
-
-    def update():
-        state["step"] += 1
-        eng.update(mask, 1e-3, state["step"])
-
-    out["masked update (gather, ĝ, clip, AdamS)"] = timed(update, lambda i: eng.prepare(g, mask),
-                                                          repeats)
-    stat = torch.randn(lay.total)
-    out["top-k, whole model (1 owner)"] = timed(
-        lambda: topk_own_mask(stat, s.part, 0, lay, density), lambda i: None, repeats)
-    part4 = build_partition(lay, 4, "tensor")
-    lo, hi = part4.ranges[0]
-    out["top-k, one rank of 4 (tensor partition)"] = timed(
-        lambda: topk_own_mask(stat[lo:hi], part4, 0, lay, density), lambda i: None, repeats)
-    bits = topk_own_mask(stat, s.part, 0, lay, density)
-    out["pack bits, whole model"] = timed(lambda: pack_bits(bits, backend="torch"), lambda i: None,
-                                          repeats)
+        for name, (s, ph) in built.items():        # alternate the contenders every round
+            fill_grads(model, i)
+            if ph is not None:
+                ph.t.clear()
+                _TOPK_T.clear()
+            t0 = time.perf_counter()
+            s.step(1e-3)
+            dt = time.perf_counter() - t0
+            s.zero_grad()
+            if i >= warmup:
+                res[name]["times"].append(dt)
+                if ph is not None:
+                    for k, v in ph.t.items():
+                        res[name]["phases"][k].append(v)
+                    res[name]["phases"]["top-k (own range)"].append(_TOPK_T["t"])
+    out = {}
+    for name, (s, ph) in built.items():
+        t = res[name]["times"]
+        row = {"median": statistics.median(t), "min": min(t), "max": max(t), "n": len(t),
+               "bytes_per_param": step_bytes(s, model, params)}
+        if ph is not None:
+            phases = {k: statistics.median(v) for k, v in res[name]["phases"].items()}
+            ph_sum = sum(phases.values())
+            phases["other (metrics, bookkeeping)"] = max(0.0, row["median"] - ph_sum)
+            row["phases"] = phases
+        s.close()
+        out[name] = row
     return out
 
 
 def table(res: dict) -> str:
-    base = res["steps"]["AdamW (torch, foreach) + clip"]["median"]
+    steps = res["steps"]
+    base = steps["AdamS + clip"]["median"]
     lines = [f"Model: {res['params'] / 1e6:.1f}M parameters, {res['threads']} thread(s), "
-             f"load {res['load_before']:.1f} -> {res['load_after']:.1f}; median (min-max) of "
-             f"{res['repeats']} steps after 2 warm-up steps.", "",
-             "| optimizer step | seconds | vs AdamW |", "|---|---|---|"]
-    for name, s in res["steps"].items():
+             f"SCAPE as rank 0 of {res['world']} (tensor partition: top-k over its range), "
+             f"load {res['load_before']:.2f} -> {res['load_after']:.2f} (1-min avg, "
+             f"{res['cpus']} CPUs); median (min-max) of {res['repeats']} alternating rounds "
+             f"after {res['warmup']} warm-up rounds.", "",
+             "| optimizer step | seconds | vs AdamS | B/param (dispatched ops) |",
+             "|---|---|---|---|"]
+    for name, s in steps.items():
         lines.append(f"| {name} | {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
-                     f"{s['median'] / base:.2f}x |")
-    for density, phases in res["phases"].items():
-        lines += ["", f"SCAPE local phases at density {density}:", "",
-                  "| phase | seconds | vs AdamW step |", "|---|---|---|"]
-        for name, s in phases.items():
-            lines.append(f"| {name} | {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
-                         f"{s['median'] / base:.2f}x |")
+                     f"{s['median'] / base:.2f}x | {s['bytes_per_param']:.0f} |")
+    scape = [n for n in steps if "phases" in steps[n]]
+    labels: list[str] = []
+    for n in scape:
+        labels += [k for k in steps[n]["phases"] if k not in labels]
+    lines += ["", "SCAPE per-phase split (seconds, median per round):", "",
+              "| phase | " + " | ".join(scape) + " |", "|---|" + "---|" * len(scape)]
+    for k in labels:
+        cells = [f"{steps[n]['phases'].get(k, 0.0):.3f}" for n in scape]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--densities", default="0.1,0.01")
+    p.add_argument("--no-sharded", action="store_true", help="skip the sharded SCAPE contenders")
     p.add_argument("--docs", default=str(REPO / "docs" / "figures"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = build_model(MODEL, device="cpu")
+    contenders: dict[str, tuple] = {"AdamW (torch, foreach) + clip": ("adamw", 1, {}),
+                                    "AdamS + clip": ("adams", 1, {})}
+    for d in map(float, args.densities.split(",")):
+        for impl in ("reference", "fused"):
+            contenders[f"SCAPE {impl}, d={d}"] = ("scape", args.world, dict(
+                density=d, scape_impl=impl))
+        contenders[f"SCAPE fused, d={d}, bitmap mask"] = ("scape", args.world, dict(
+            density=d, scape_impl="fused", mask_coding="bitmap"))
+        if not args.no_sharded:
+            contenders[f"SCAPE fused sharded, d={d}"] = ("scape", args.world, dict(
+                density=d, scape_impl="fused", sharded=True))
     res = {"params": sum(p.numel() for p in model.parameters()), "threads": args.threads,
-           "repeats": args.repeats, "load_before": os.getloadavg()[0], "steps": {}, "phases": {}}
-    res["steps"]["AdamW (torch, foreach) + clip"] = strategy_step("adamw", model, args.repeats)
-    res["steps"]["AdamS + clip"] = strategy_step("adams", model, args.repeats)
-    for density in (0.1, 0.01):
-        res["steps"][f"SCAPE step, density {density}, 1 rank"] = strategy_step(
-            "scape", model, args.repeats, density=density, density_warmup_steps=0,
-            use_triton="off")
-        res["phases"][str(density)] = scape_phases(model, density, args.repeats)
+           "world": args.world, "repeats": args.repeats, "warmup": args.warmup,
+           "cpus": os.cpu_count(), "load_before": os.getloadavg()[0]}
+    res["steps"] = run(model, contenders, args.repeats, args.warmup)
     res["load_after"] = os.getloadavg()[0]
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)

@@ -86,6 +86,8 @@ def validate(cfg: OptimizerConfig) -> None:
          f"use_triton must be auto, on or off, got {cfg.use_triton!r}")
     need(cfg.mask_coding in MASK_CODINGS,
          f"mask_coding must be one of {list(MASK_CODINGS)}, got {cfg.mask_coding!r}")
+    need(cfg.scape_impl in ("fused", "reference"),
+         f"scape_impl must be fused or reference, got {cfg.scape_impl!r}")
     need(cfg.payload_dtype in PAYLOAD_DTYPES,
          f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {cfg.payload_dtype!r}")
     need(cfg.payload_dtype == "fp32" or cfg.name == "scape",

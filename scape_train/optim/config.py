@@ -29,6 +29,7 @@ class OptimizerConfig:
     offload_chunk_numel: int = 1 << 22  # offload: elements per double-buffered copy
     use_triton: str = "auto"          # auto | on | off
     mask_coding: str = "auto"         # auto (smallest per segment) | bitmap | indices | elias_fano
+    scape_impl: str = "fused"          # scape: fused (O(k) local step) | reference (spec line by line)
     payload_dtype: str = "fp32"       # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 (error feedback)
     # PowerSGD baseline
     powersgd_rank: int = 4            # PowerSGD baseline: rank of the low-rank approximation

@@ -13,7 +13,10 @@ code (``simulate.Replay``), so the temporaries alive together are the ones the c
   size. A step adds the flat gradient copy g, the candidate c (sharded: x = (1-beta1) g), the
   payload (k values: the mask's popcount, the largest at the first steps of a density warmup) and
   the full-size ghat; on the torch kernel path (CPU, ``use_triton=off``) boolean indexing also
-  materialises int64 indices of the payload.
+  materialises int64 indices of the payload. That is the reference step, which runs while a
+  mask holds more than half the parameters (a density warm-up's start); below that the fused
+  step (``optim/scape/fused.py``) runs, and its state and step are traced from the code on fake
+  tensors (``plan/scape_step.py``) at the largest density it runs at.
 - DiLoCo / GASLoC (``optim/local/``): the inner optimizer's state plus theta0 and y_prev (in host
   memory with ``outer_state_on_cpu``); a round adds flat buffers (GASLoC: one per peer).
 """
@@ -194,6 +197,7 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
     r.spike(n, "mask overlap metric")
     r.free(bits, stat_bytes)
     mem.step, mem.step_where = r.peak, r.where
+    _fused_path(cfg, model, world, on_gpu, mem, n)
 
     ck = Replay()                       # state_dict(), in its order (scape/strategy.py)
     if o.sharded:
@@ -217,6 +221,52 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
         ck.alloc(split, "per-tensor checkpoint copies")
     mem.checkpoint, mem.checkpoint_where = ck.peak, ck.where
     return mem
+
+
+def fused_density(cfg: Config, n: int, counts_at) -> float | None:
+    """The largest density at which a run of ``cfg`` takes the fused step (``select_path``: its
+    mask holds at most FUSED_MAX_FRACTION of the ``n`` parameters), or None if it never does.
+    Densities only fall over a warm-up, so that is the first fused step's."""
+    from scape_train.optim.scape.fused import FUSED_MAX_FRACTION
+    o = cfg.optimizer
+    if o.scape_impl != "fused" or o.payload_dtype != "fp32" or o.offload_residuals:
+        return None
+    for step in range(1, max(1, o.density_warmup_steps) + 2):
+        d = density_at(step, o.density, o.density_warmup_steps, o.density_schedule)
+        if counts_at(d) <= FUSED_MAX_FRACTION * n:
+            return d
+    return None
+
+
+def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: OptimizerMemory,
+                n: int) -> None:
+    """Where the run takes the fused step: its state and step traced from the code
+    (:mod:`.scape_step`). The fused engine's index vectors and decode tables are state from its
+    first fused step on; the plan adds them to every step (an over-estimate of the warm-up's
+    reference steps, which run before they exist)."""
+    from scape_train.optim.scape.partition import ParamLayout, build_partition
+    from scape_train.plan.scape_step import trace_fused_step
+
+    o = cfg.optimizer
+    lay = ParamLayout(model, weight_decay=o.weight_decay, exclude_norm_bias=o.exclude_norm_bias)
+    part = build_partition(lay, world, o.partitioner)
+
+    def ones(d: float) -> int:
+        return sum(seg.numel if lay.excluded[seg.tensor] else segment_k(seg.numel, d)
+                   for segs in part.segments for seg in segs)
+
+    d = fused_density(cfg, n, ones)
+    if d is None:
+        return
+    # the model's vocabulary as the plan builds it (estimate.planned_vocab)
+    vocab = cfg.model.vocab_size or cfg.data.tokenizer.vocab_size
+    fused = trace_fused_step(cfg, cfg.model, vocab, world, d, on_gpu)
+    extra = fused.held - sum(b for _, b in mem.state)
+    if extra > 0:
+        mem.state.append(("SCAPE fused step: mask indices, index plans, decode tables", extra))
+    if d == density_at(1, o.density, o.density_warmup_steps, o.density_schedule) \
+            or fused.step > mem.step:
+        mem.step, mem.step_where = fused.step, f"fused step at density {d:.3g}: {fused.where}"
 
 
 def _assemble_mask(r: Replay, part, in_flight: int) -> None:

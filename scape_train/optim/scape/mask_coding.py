@@ -161,6 +161,53 @@ class _Group:
                                        output_size=total)
 
 
+def _ef_tables(plan: "MaskPlan", grp: "_Group", device: torch.device) -> dict:
+    """Per-one constants of a plan's Elias-Fano group: where each one's low field starts (byte,
+    bit shift), its width, mask, segment start and high-part offset, and the byte index of the
+    concatenated upper vectors. Cached for the newest plan only (the warm-up visits each
+    density once): ~6 int64 and 2 bytes per one, plus the sorted-index template (one int64 per
+    one of the whole mask) -- state the memory plan counts (plan/optimizer_memory.py)."""
+    key = str(device)
+    if key in plan._ef:
+        return plan._ef[key]
+    seg = grp.seg_of(grp.k, grp.ones)
+    within = torch.arange(grp.ones, device=device) - grp.kcum[seg]
+    width = grp.width[seg]
+    start = grp.low_bit[seg] + within * width
+    bseg = grp.seg_of(grp.high_bytes, grp.high_total)
+    max_w = max((s.width for codes in plan.segs for s in codes if s.kind == ELIAS_FANO),
+                default=0)                                  # from the host plan: no read back
+    # shifts and widths fit a byte (fields are at most 33 bits): uint8 halves the tables
+    t = {"byte": start >> 3, "shift": (start & 7).to(torch.uint8), "width": width.to(torch.uint8),
+         "low_mask": torch.bitwise_left_shift(torch.ones_like(width), width) - 1,
+         "nread": max(1, -(-(max_w + 7) // 8)),
+         "high_base": 8 * grp.hcum[seg] + within, "flat_start": grp.flat_start[seg],
+         "bidx": grp.high_byte[bseg] + torch.arange(grp.high_total, device=device)
+         - grp.hcum[bseg]}
+    # Sorted flat indices of the whole mask: when every other segment is all ones, each
+    # segment's ones form one block of the sorted list, in flat order; the all-ones blocks are
+    # constant (``sorted``), the Elias-Fano ones land at ``dest``.
+    t["sorted"] = t["dest"] = None
+    flat = [s for codes in plan.segs for s in codes]
+    if all(s.kind in (ALL, ELIAS_FANO) for s in flat):
+        blocks, fixed, at = [], [], 0
+        for s in flat:
+            if s.kind == ELIAS_FANO:
+                blocks.append(at)
+                at += s.k
+            else:
+                fixed.append((at, s.flat_start, s.numel))
+                at += s.numel
+        srt = torch.empty(at, dtype=torch.int64, device=device)
+        for a, f, n in fixed:
+            srt[a:a + n] = torch.arange(f, f + n, device=device)
+        # EF segments in the group are in the same (owner, segment) order as ``flat``
+        t["dest"] = torch.tensor(blocks, dtype=torch.int64, device=device)[seg] + within
+        t["sorted"] = srt
+    plan._ef[key] = t
+    return t
+
+
 class MaskPlan:
     """Every owner's segment codings for a mask of one density, and the shard they fill."""
 
@@ -172,6 +219,7 @@ class MaskPlan:
         self.legacy = coding == "bitmap"
         self.lengths = [hi - lo for lo, hi in part.ranges]
         self.segs: list[list[SegCode]] = []
+        self._ef: dict = {}
         if self.legacy:
             # today's format: the whole range packed, shards padded to the largest (at least 1)
             self.rank_bytes = [packed_numel(n) for n in self.lengths]
@@ -189,6 +237,11 @@ class MaskPlan:
         self.rank_bytes = [sum(s.nbytes for s in codes) for codes in self.segs]
         self.shard_bytes = max(self.rank_bytes)    # 0: every segment all ones, nothing to send
         self._tables: dict = {}
+        self._ef: dict = {}          # per device: the Elias-Fano decode tables (_ef_tables)
+
+    def drop_decode_tables(self) -> None:
+        """Free the per-one decode tables (a plan no longer in use)."""
+        self._ef = {}
 
     def kinds(self) -> dict[str, int]:
         """How many segments use each coding (for reports)."""
@@ -230,6 +283,20 @@ class MaskPlan:
     def decode(self, gathered: torch.Tensor | None, device: torch.device,
                backend: str = "auto") -> torch.Tensor:
         """The full bool mask from every owner's shard (``world·shard_bytes`` uint8)."""
+        return self.decode_with_indices(gathered, device, backend)[0]
+
+    def decode_with_indices(self, gathered: torch.Tensor | None, device: torch.device,
+                            backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(mask, indices)``: the full bool mask and, when every segment is Elias-Fano coded
+        or all ones, the flat indices of its ones in increasing order (what
+        ``nonzero_static(mask)`` gives, without the full-size pass); else ``None``."""
+        self._indices = None
+        mask = self._decode(gathered, device, backend)
+        idx, self._indices = self._indices, None
+        return mask, idx
+
+    def _decode(self, gathered: torch.Tensor | None, device: torch.device,
+                backend: str = "auto") -> torch.Tensor:
         if self.legacy:
             assert gathered is not None
             pieces = []
@@ -267,22 +334,29 @@ class MaskPlan:
                                                             width))
         grp = tables[ELIAS_FANO]
         if grp is not None and grp.ones:
-            seg = grp.seg_of(grp.k, grp.ones)
-            within = torch.arange(grp.ones, device=device) - grp.kcum[seg]
-            width = grp.width[seg]
-            low = _read_fields(buf, grp.low_bit[seg] + within * width, width)
+            # every position-only quantity (field start bits, widths, offsets) comes from the
+            # plan: computed once per plan (see _ef_tables), not per step
+            ef = _ef_tables(self, grp, device)
+            word = buf.index_select(0, ef["byte"]).long()
+            for i in range(1, ef["nread"]):
+                word |= buf.index_select(0, ef["byte"] + i).long() << (8 * i)
+            low = word.bitwise_right_shift_(ef["shift"]).bitwise_and_(ef["low_mask"])
+            del word                            # (in place: low is word's storage)
             # the upper bit vectors, concatenated: segment g holds exactly k_g ones, so the
-            # j-th one overall belongs to seg[j]
-            bseg = grp.seg_of(grp.high_bytes, grp.high_total)
-            bidx = (grp.high_byte[bseg] + torch.arange(grp.high_total, device=device)
-                    - grp.hcum[bseg])
-            bits = unpack_bits(gathered.index_select(0, bidx), 8 * grp.high_total,
+            # j-th one overall belongs to segment g; its high part is pos - (8·hcum_g + j_g)
+            bits = unpack_bits(gathered.index_select(0, ef["bidx"]), 8 * grp.high_total,
                                backend=backend)
             pos = torch.nonzero_static(bits, size=grp.ones).view(-1)
-            high = pos - 8 * grp.hcum[seg] - within
-            found.append(grp.flat_start[seg] + (high << width) + low)
+            del bits                            # temporaries go as soon as they are used:
+            # the decode's peak is a few index vectors, not every intermediate at once
+            pos.sub_(ef["high_base"]).bitwise_left_shift_(ef["width"]).add_(low)
+            del low
+            found.append(pos.add_(ef["flat_start"]))
+            if ef["sorted"] is not None:        # the plan's other segments are all ones
+                self._indices = ef["sorted"].clone().index_copy_(0, ef["dest"], found[-1])
+        del buf
         if found:
-            mask.index_fill_(0, torch.cat(found), True)
+            mask.index_fill_(0, found[0] if len(found) == 1 else torch.cat(found), True)
         return mask
 
     def _device_tables(self, device: torch.device) -> dict:

@@ -64,12 +64,14 @@ class PendingMask:
         self._handle, self._gathered, self._exchange = handle, gathered, exchange
         self._plan = plan
         self._mask = ready
+        self.indices: torch.Tensor | None = None   # the mask's sorted flat indices, if decoded
 
     def wait(self) -> torch.Tensor:
         if self._mask is None:
             assert self._handle is not None and self._gathered is not None
             self._handle.wait()
-            self._mask = self._exchange.assemble(self._gathered, self._plan)
+            self._mask, self.indices = self._exchange.assemble_with_indices(self._gathered,
+                                                                             self._plan)
             self._gathered = None
         return self._mask
 
@@ -104,6 +106,8 @@ class MaskExchange:
         if density not in self._plans:
             if len(self._plans) > 64:
                 self._plans.clear()
+            for old in self._plans.values():   # per-one decode tables: the newest plan only
+                old.drop_decode_tables()
             counts = ([] if self.coding == "bitmap"
                       else mask_counts(self.part, self.layout, density))
             self._plans[density] = MaskPlan(self.part, self.layout, counts, self.coding,
@@ -130,6 +134,14 @@ class MaskExchange:
                                device=own_bits.device)
         handle = self.comm.all_gather(gathered, shard, kind="mask", async_op=async_op)
         return PendingMask(handle, gathered, self, plan=plan)
+
+    def assemble_with_indices(self, gathered: torch.Tensor, plan: MaskPlan | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(mask, indices or None)``: see :meth:`MaskPlan.decode_with_indices`."""
+        plan = plan if plan is not None else self.plan(1.0)
+        if plan.legacy:
+            return plan.decode(gathered, gathered.device, self.backend), None
+        return plan.decode_with_indices(gathered, gathered.device, self.backend)
 
     def assemble(self, gathered: torch.Tensor, plan: MaskPlan | None = None) -> torch.Tensor:
         plan = plan if plan is not None else self.plan(1.0)

@@ -98,6 +98,15 @@ class ReplicatedScape:
         return {"grad_norm": norm, "scape/payload_numel": float(k),
                 "scape/residual_norm": self._res_sq.sqrt()}
 
+    def select_path(self, k: int) -> bool:
+        """Whether this step runs the fused O(k) path (never, here: the reference engine)."""
+        return False
+
+    def finish_step(self) -> dict[str, torch.Tensor]:
+        """End of the step, after the next mask's top-k: nothing left to do here (the fused
+        engine folds its residual now)."""
+        return {}
+
     # -- state in model space ------------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:
         """Flat momentum, rank-independent residual part (none here) and this rank's residual

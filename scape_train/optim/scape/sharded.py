@@ -219,6 +219,15 @@ class ShardedScape:
                 scatter_masked(vals, m, view, backend=self.backend, count=k)
                 at += k
 
+    def select_path(self, k: int) -> bool:
+        """Whether this step runs the fused O(k) path (never, here: the reference engine)."""
+        return False
+
+    def finish_step(self) -> dict[str, torch.Tensor]:
+        """End of the step, after the next mask's top-k: nothing left to do here (the fused
+        engine folds its residual now)."""
+        return {}
+
     # -- state in model space ------------------------------------------------------------------
     def _gather_owned(self, t: torch.Tensor) -> torch.Tensor:
         """The full flat tensor from every owner's range (checkpoint time only)."""

@@ -26,6 +26,7 @@ from ..state import FlatShard, ShardSource, StateParts
 from .kernels import pack_bits, resolve_backend, unpack_bits
 from .masks import MaskExchange, PendingMask, mask_counts, measured_counts, topk_own_mask
 from .partition import ParamLayout, build_partition
+from .fused import FusedReplicatedScape, FusedShardedScape
 from .replicated import ReplicatedScape
 from .sharded import ShardedScape
 
@@ -46,7 +47,9 @@ class ScapeStrategy(OptimizerStrategy):
         self.part = build_partition(self.layout, self.comm.world, cfg.partitioner)
         self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.backend,
                                      layout=self.layout, coding=cfg.mask_coding)
-        engine_cls = ShardedScape if cfg.sharded else ReplicatedScape
+        engines = {("reference", False): ReplicatedScape, ("reference", True): ShardedScape,
+                   ("fused", False): FusedReplicatedScape, ("fused", True): FusedShardedScape}
+        engine_cls = engines[(cfg.scape_impl, bool(cfg.sharded))]
         self.engine = engine_cls(self.layout, self.part, cfg, self.comm, self.backend)
         self.steps_done = 0
         self.mask_cur: torch.Tensor | None = None
@@ -72,7 +75,8 @@ class ScapeStrategy(OptimizerStrategy):
         c = self.cfg
         return density_at(step, c.density, c.density_warmup_steps, c.density_schedule)
 
-    def _flat_grads(self) -> torch.Tensor:
+    def _grads(self) -> list[torch.Tensor]:
+        """Every parameter's gradient, flattened (views of ``p.grad`` where it is contiguous)."""
         grads = []
         for name, p in zip(self.layout.names, self.layout.params):
             if p.grad is None:
@@ -80,7 +84,12 @@ class ScapeStrategy(OptimizerStrategy):
                                    "trainable parameter must take part in the loss (or set "
                                    "requires_grad=False before building the optimizer)")
             grads.append(p.grad.reshape(-1).float())
-        return torch.cat(grads)
+        return grads
+
+    def _flat_grads(self) -> torch.Tensor:
+        # a fresh copy per step, not a persistent buffer: the reference path runs only at the
+        # dense end of a density warm-up, and the memory would be held for the whole run
+        return torch.cat(self._grads())
 
     def counts(self, density: float) -> list[list[int]]:
         if density not in self._counts:
@@ -96,25 +105,35 @@ class ScapeStrategy(OptimizerStrategy):
     @torch.no_grad()
     def step(self, lr: float) -> dict[str, float]:
         t = self.steps_done + 1
-        g = self._flat_grads()
+        counts = self._loaded_counts or self.counts(self.density(t))
+        self._loaded_counts = None
+        # the fused engine takes its O(k) path at low density only (select_path); it reads the
+        # gradients where autograd left them (and consumes them: scaled in place), the reference
+        # path takes one flat copy
+        fast = self.engine.select_path(sum(map(sum, counts)))
+        g = self._grads() if fast else self._flat_grads()
         prev = self.mask_cur
         mask = self.next_mask()              # the one wait: M_t, gathered during fwd/bwd
         stat = self.engine.prepare(g, mask)
         if mask is None:                     # first step: build M_1 synchronously
             mask = self._first_mask(stat, self.density(t))
             self.engine.finish_residual(mask)
-        counts = self._loaded_counts or self.counts(self.density(t))
-        self._loaded_counts = None
+        prev_idx = getattr(self.engine, "_pidx", None)   # fused: M_{t-1}'s indices
+        if hasattr(self.engine, "given_idx"):             # fused: M_t's, when the decode has them
+            self.engine.given_idx = None if self._pending is None else self._pending.indices
         metrics = self.engine.update(mask, lr, t, counts)
         d_next = self.density(t + 1)
         own_bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, d_next)
         self._pending = self.exchange.start(own_bits, d_next, async_op=True)
+        metrics.update(self.engine.finish_step())   # after the top-k has read the candidate
         self.mask_cur, self.steps_done = mask, t
         ones = float(sum(map(sum, counts)))
         metrics["scape/density"] = ones / self.layout.total
         metrics["scape/target_density"] = self.density(t)
         if prev is not None:  # temporal stability: ones of M_t that were already in M_{t-1}
-            metrics["scape/mask_overlap"] = torch.count_nonzero(mask & prev) / max(ones, 1.0)
+            both = (torch.count_nonzero(mask.index_select(0, prev_idx)) if prev_idx is not None
+                    else torch.count_nonzero(mask & prev))          # O(k) when M_{t-1} is known
+            metrics["scape/mask_overlap"] = both / max(ones, 1.0)
         return metrics
 
     def _first_mask(self, stat: torch.Tensor, density: float) -> torch.Tensor:

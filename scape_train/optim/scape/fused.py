@@ -1,0 +1,381 @@
+"""SCAPE's fast local step (``optimizer.scape_impl: fused``): the same equations as the reference
+engines (:mod:`.replicated`, :mod:`.sharded`), with the work proportional to the mask where the
+spec allows it.
+
+What makes it O(k) instead of O(numel):
+  - ``m`` is nonzero only on the previous mask (``m_t = M_t ⊙ b̄``). The engine keeps that mask's
+    flat indices ``pidx``: ``β1·m`` contributes to the candidate only there (a k-sized fix-up),
+    and ``m`` is zeroed off the new mask by zeroing ``m[pidx]``, not by a full ``masked_fill``.
+  - The residual buffer itself becomes the candidate: ``e ← e + (1-β1)·g`` (the gradient buffer
+    scaled in place), ``e[pidx] ← β1·m[pidx] + (1-β1)·g[pidx]`` (there ``e_{t-1} = 0``). The
+    payload is ``e[idx]``; after the owner's top-k has read ``e`` on its range, ``e[idx] ← 0``
+    leaves ``e_t = (1-M)⊙c``. No separate ``c``, no full-size ``ĝ``.
+  - AdamS runs on the k gathered values; off the mask the parameters only get weight decay, one
+    ``torch._foreach_mul_`` over the decayed tensors; the new values at the mask positions are
+    index-copied into each parameter's flat view (one op per segment, on k-sized slices).
+
+Values: the same elementwise ops in the same order as the reference on every coordinate (the
+off-mask candidate is ``round((1-β1)·g) + e``, as the reference's ``β1·0 + (1-β1)·g`` then
+``+ e``), so results agree bit for bit wherever torch's CPU kernels round alike; the one known
+source of difference is that a vectorized ``add(alpha=)``/``addcmul`` may use an FMA in the body
+of a tensor and a separate multiply-add in its scalar tail, and the k-sized gathered tensors put
+different coordinates in the tail than the full-size ones (≤ 1 ulp per op).
+
+Falls back to the reference methods (same object, same state) for what it does not cover:
+low-precision payloads (their quantization error lands on the mask positions, so ``e_{t-1} = 0``
+on the previous mask no longer holds) and offloaded residuals (walked in host chunks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .replicated import ReplicatedScape, clip_coef
+from .sharded import ShardedScape
+
+
+# The fused path runs while the mask holds at most this fraction of the parameters (SCAPE's
+# densities are 0.01-0.1, plus the always-sent norm and bias tensors; a density warm-up starts
+# at 1): see _FusedMixin.select_path.
+FUSED_MAX_FRACTION = 0.5
+
+
+class _FusedMixin:
+    """Shared by both fused engines: index plans, the AdamS math on k values, parameter IO."""
+
+    def _init_fused(self) -> None:
+        # what the fused path covers at all; select_path() decides per step
+        self.can_fuse = not self.codec.lowp and not self.cfg.offload_residuals
+        self.fast = False
+        self._pidx: torch.Tensor | None = None      # previous mask's indices (m's support)
+        self._idx: torch.Tensor | None = None
+        self.given_idx: torch.Tensor | None = None  # M_t's sorted indices, from the decode
+        self._plans: dict[tuple, tuple] = {}
+        lay = self.layout
+        by_wd: dict[float, list[int]] = {}
+        for i, wd in enumerate(lay.weight_decay):
+            if wd != 0.0:
+                by_wd.setdefault(wd, []).append(i)
+        self._decay_groups = list(by_wd.items())
+
+    def select_path(self, k: int) -> bool:
+        """The fused path for a step whose mask has ``k`` ones, when it is the cheaper one: its
+        index-gathered temporaries (int64 indices, k-sized copies) cost ~12 words per one, more
+        memory and time than the reference's full-size passes once k nears numel -- the dense
+        start of a density warm-up. Leaving the fused path forgets m's support (the reference
+        step does not track it): the next fused step takes its general branch."""
+        self.fast = self.can_fuse and k <= FUSED_MAX_FRACTION * self.layout.total
+        if not self.fast:
+            self._forget_support()
+        return self.fast
+
+    def _forget_support(self) -> None:
+        self._pidx = None
+
+    # -- plans: the mask's index ranges per segment, from the host-known counts --------------
+    def _plan(self, counts: list[list[int]]) -> tuple:
+        """For the flat index list of a mask with ``counts`` ones per segment (all ranks, flat
+        order): per segment ``(tensor, start, end)`` of its slice of the index list, plus each
+        index's tensor offset (to turn flat indices into per-tensor ones with one subtraction)."""
+        key = tuple(map(tuple, counts))
+        plan = self._plans.get(key)
+        if plan is None:
+            self._plans.clear()      # the current density's plan only (a warm-up visits many)
+            lay = self.layout
+            segs, offs, reps, at = [], [], [], 0
+            for rank_segs, rank_counts in zip(self.part.segments, counts):
+                for seg, k in zip(rank_segs, rank_counts):
+                    if k:
+                        segs.append((seg.tensor, at, at + k))
+                        offs.append(lay.offsets[seg.tensor])
+                        reps.append(k)
+                    at += k
+            dev = lay.device
+            offsets = (torch.repeat_interleave(torch.tensor(offs, dtype=torch.int64),
+                                               torch.tensor(reps, dtype=torch.int64),
+                                               output_size=at).to(dev)
+                       if segs else torch.zeros(0, dtype=torch.int64, device=dev))
+            plan = (segs, offsets, at)
+            self._plans[key] = plan
+        return plan
+
+    def _local(self, idx: torch.Tensor, counts: list[list[int]]) -> tuple[list, torch.Tensor]:
+        segs, offsets, _ = self._plan(counts)
+        return segs, idx - offsets
+
+    # -- gradients: read where autograd left them ----------------------------------------------
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-tensor views of a flat state tensor (cached: the state tensors are persistent)."""
+        key = (id(flat), flat.numel())     # the cached views keep ``flat`` (and its id) alive
+        if getattr(self, "_views_key", None) != key:
+            offs = self.layout.offsets
+            self._views_cache = [flat[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
+            self._views_key = key
+        return self._views_cache
+
+    def _grads_at(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The gradients at the previous mask's indices (k values, flat order)."""
+        segs, local = self._prev_local
+        parts = [grads[t].index_select(0, local[a:b]) for t, a, b in segs]
+        if not parts:
+            return torch.zeros(0, dtype=torch.float32, device=self.layout.device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _add_scaled_grads(self, dst: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        """``dst += (1-β1)·g`` per tensor: the gradients are scaled in place (the step consumes
+        them) and added, ``round((1-β1)·g) + dst`` as the reference's ops round."""
+        torch._foreach_mul_(grads, 1.0 - self.cfg.betas[0])
+        torch._foreach_add_(self._views(dst), grads)
+
+    # -- parameters ----------------------------------------------------------------------------
+    def _decay(self, lr: float) -> None:
+        """``θ ← (1 - lr·wd)·θ`` on every decayed tensor (the off-mask update, and the first
+        half of the on-mask one, exactly as ``adams_update_`` orders it)."""
+        lay = self.layout
+        for wd, ids in self._decay_groups:
+            torch._foreach_mul_([lay.params[i].data for i in ids], 1.0 - lr * wd)
+
+    def _gather_params(self, segs: list, local: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """θ at the index-list slice ``[lo, hi)`` (whole segments), as one k-sized tensor."""
+        lay = self.layout
+        parts = [lay.flat_view(t).index_select(0, local[a:b]) for t, a, b in segs
+                 if a >= lo and b <= hi]
+        if not parts:
+            return torch.zeros(0, dtype=torch.float32, device=lay.device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _scatter_params(self, segs: list, local: torch.Tensor, values: torch.Tensor,
+                        value_at=None) -> None:
+        """θ ← ``values`` at every segment's mask positions (``value_at(a, b)``: the values of
+        the index-list slice ``[a, b)``; default ``values[a:b]``)."""
+        lay = self.layout
+        for t, a, b in segs:
+            v = values[a:b] if value_at is None else value_at(a, b)
+            lay.flat_view(t).index_copy_(0, local[a:b], v)
+
+    # -- AdamS on k values ---------------------------------------------------------------------
+    def _adams_k(self, m_c: torch.Tensor, ghat_c: torch.Tensor, theta_c: torch.Tensor,
+                 lr: float, step: int) -> torch.Tensor:
+        """``adams_update_``'s ops on the gathered values, the decay already applied to
+        ``theta_c``; returns the new momentum (``m_c`` is overwritten); ``theta_c`` in place."""
+        cfg = self.cfg
+        beta1, beta2 = cfg.betas
+        bc1 = 1.0 - beta1 ** step
+        bc2 = 1.0 - beta2 ** step
+        prev = m_c / bc1 if cfg.bias_correction == "official" else m_c
+        v = prev.square().mul_(beta2).addcmul_(ghat_c, ghat_c, value=1.0 - beta2)
+        m_new = m_c.mul_(beta1).add_(ghat_c, alpha=1.0 - beta1)
+        denom = v.sqrt_()
+        if cfg.bias_correction == "adam":
+            denom.div_(math.sqrt(bc2))
+            step_size = lr / bc1
+        elif cfg.bias_correction == "official":
+            step_size = lr / bc1
+        else:
+            step_size = lr
+        denom.add_(cfg.eps)
+        theta_c.addcdiv_(m_new, denom, value=-step_size)
+        return m_new
+
+    def _mask_index(self, mask: torch.Tensor, k: int) -> torch.Tensor:
+        """The mask's ``k`` flat indices, increasing: from the decode when it produced them,
+        else one ``nonzero_static`` pass over the mask."""
+        idx, self.given_idx = self.given_idx, None
+        if idx is not None and idx.numel() == k:
+            return idx
+        return torch.nonzero_static(mask, size=k).view(-1)
+
+    def _set_momentum(self, m: torch.Tensor, idx: torch.Tensor, m_new: torch.Tensor) -> None:
+        """``m ← 0`` off the mask (only the previous mask can be nonzero), ``m[idx] ← m_new``."""
+        if self._pidx is None:
+            m.zero_()
+        else:
+            m.index_fill_(0, self._pidx, 0.0)
+        m.index_copy_(0, idx, m_new)
+        self._pidx = idx
+
+    def finish_residual(self, mask: torch.Tensor) -> None:
+        """The reference path's residual fold; the fused path folds in its update."""
+        if not self.fast:
+            super().finish_residual(mask)
+
+    def load_range_state(self, momentum, shared, residual) -> None:
+        super().load_range_state(momentum, shared, residual)
+        self._forget_support()  # m's support unknown: the next step takes the general path
+
+    def finish_step(self) -> dict[str, torch.Tensor]:
+        return {}
+
+
+class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
+    """Replicated mode (§2); the residual buffer holds ``c`` between prepare() and finish_step()."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_fused()
+        self._zero_pending = False
+
+    def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
+        """``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
+        ``p.grad``, consumed: scaled in place), or the flat gradient on the reference path. The
+        residual fold ``e = (1-M)⊙c`` happens in :meth:`finish_step`, after the top-k read ``c``."""
+        if not self.fast:
+            return super().prepare(g, mask)
+        beta1 = self.cfg.betas[0]
+        e = self.residual.tensor()
+        if self._pidx is None:          # m may be nonzero anywhere (first step, after a load)
+            w = torch._foreach_mul(self._views(self.m), beta1)
+            torch._foreach_add_(w, g, alpha=1.0 - beta1)
+            torch._foreach_add_(self._views(e), w)
+        else:                           # m and e_{t-1}: nonzero on disjoint sets
+            pidx = self._pidx
+            c_p = self.m.index_select(0, pidx).mul_(beta1).add_(self._grads_at(g),
+                                                                alpha=1.0 - beta1)
+            self._add_scaled_grads(e, g)
+            e.index_copy_(0, pidx, c_p)
+        self._c = e
+        lo, hi = self.part.ranges[self.comm.rank]
+        return e[lo:hi]
+
+    def update(self, mask: torch.Tensor, lr: float, step: int, counts: list[list[int]]
+               ) -> dict[str, float]:
+        if not self.fast:
+            return super().update(mask, lr, step, counts)
+        cfg, c = self.cfg, self._c
+        assert c is not None, "prepare() first"
+        beta1 = cfg.betas[0]
+        if self.record:
+            self.last = {"c": c.clone(), "m_prev": self.m.clone()}
+        k = sum(map(sum, counts))
+        idx = self._mask_index(mask, k)
+        payload = c.index_select(0, idx)
+        self.comm.all_reduce(payload, kind="payload", average=True)
+        m_c = self.m.index_select(0, idx)
+        ghat_c = m_c.mul(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
+        norm = torch.linalg.vector_norm(ghat_c)
+        if cfg.clip_grad > 0:
+            ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
+        if self.record:
+            ghat = torch.zeros_like(c).index_copy_(0, idx, ghat_c)
+            self.last.update(payload=payload.clone(), ghat=ghat)
+        segs, local = self._local(idx, counts)
+        self._decay(lr)
+        theta_c = self._gather_params(segs, local, 0, k)
+        m_new = self._adams_k(m_c, ghat_c, theta_c, lr, step)
+        self._scatter_params(segs, local, theta_c)
+        self._set_momentum(self.m, idx, m_new)
+        self._prev_local = (segs, local)
+        self._idx, self._zero_pending = idx, True
+        self._c = None
+        return {"grad_norm": norm, "scape/payload_numel": float(k)}
+
+    def finish_step(self) -> dict[str, torch.Tensor]:
+        """After the next mask's top-k: ``e[M] ← 0`` (O(k)) and the residual-norm metric."""
+        if not self.fast:
+            return {}
+        e = self.residual.tensor()
+        if self._zero_pending:
+            e.index_fill_(0, self._idx, 0.0)
+            self._zero_pending = False
+        return {"scape/residual_norm": torch.linalg.vector_norm(e).double()}
+
+    def load_range_state(self, momentum, shared, residual) -> None:
+        super().load_range_state(momentum, shared, residual)
+        self._zero_pending = False
+
+
+class FusedShardedScape(_FusedMixin, ShardedScape):
+    """Sharded mode (§3); ``ρ`` holds the owner's ``base = β1·m + ρ`` between prepare() and
+    update(), the full-size ``ε`` holds ``x = (1-β1)·g + ε``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_fused()
+        self._pidx_own: torch.Tensor | None = None
+
+    def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
+        """``ε ← x = (1-β1)·g + ε`` (``g``: per-tensor gradients, consumed), ``ρ ← base``;
+        returns ``c^(o) = base + x`` on the own range."""
+        if not self.fast:
+            return super().prepare(g, mask)
+        beta1 = self.cfg.betas[0]
+        eps_ = self.residual.tensor()
+        self._add_scaled_grads(eps_, g)                      # ε ← x
+        if self._pidx is None:
+            self.rho = torch.mul(self.m, beta1).add_(self.rho)
+        else:                                                # ρ = 0 where m may be nonzero
+            p = self._pidx_own
+            self.rho.index_copy_(0, p, self.m.index_select(0, p).mul_(beta1))
+        self._x = eps_
+        return torch.add(self.rho, eps_[self.lo:self.hi])    # base + x^(o) = c^(o)
+
+    def update(self, mask: torch.Tensor, lr: float, step: int, seg_counts: list[list[int]]
+               ) -> dict[str, float]:
+        if not self.fast:
+            return super().update(mask, lr, step, seg_counts)
+        cfg, x, comm = self.cfg, self._x, self.comm
+        assert x is not None, "prepare() first"
+        beta1 = cfg.betas[0]
+        world, rank = comm.world, comm.rank
+        if self.record:
+            self.last = {"x": x.clone()}
+        counts = [sum(c) for c in seg_counts]
+        width = max(1, max(counts))
+        total = sum(counts)
+        starts = [sum(counts[:r]) for r in range(world)]
+        idx = self._mask_index(mask, total)
+        payload = x.index_select(0, idx)
+        send = torch.zeros(world, width, dtype=torch.float32, device=x.device)
+        for r, k in enumerate(counts):
+            if k:
+                send[r, :k] = payload[starts[r]:starts[r] + k]
+        recv = torch.empty(width, dtype=torch.float32, device=x.device)
+        comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True)
+        if self.record:
+            self.last["reduced"] = recv[:counts[rank]].clone()
+        k_own, s_own = counts[rank], starts[rank]
+        own_idx = idx[s_own:s_own + k_own] - self.lo
+        b_c = recv[:k_own].add_(self.rho.index_select(0, own_idx))
+        m_c = self.m.index_select(0, own_idx)
+        ghat_c = m_c.mul(-beta1).add_(b_c).div_(1.0 - beta1)
+        sq = ghat_c.double().square().sum().float().reshape(1)
+        comm.all_reduce(sq, kind="norm", average=False)
+        norm = sq.sqrt()[0]
+        if cfg.clip_grad > 0:
+            ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
+        self.rho.index_fill_(0, own_idx, 0.0)                # ρ = (1-M)⊙base
+        x.index_fill_(0, idx, 0.0)                           # ε = (1-M)⊙x
+        res_sq = torch.linalg.vector_norm(x).double().square()
+        segs, local = self._local(idx, seg_counts)
+        self._decay(lr)
+        shard = torch.zeros(width, dtype=torch.float32, device=x.device)
+        if k_own:
+            theta_c = self._gather_params(segs, local, s_own, s_own + k_own)
+            m_new = self._adams_k(m_c, ghat_c, theta_c, lr, step)
+            shard[:k_own] = theta_c
+        else:
+            m_new = m_c
+        gathered = torch.empty(width * world, dtype=torch.float32, device=x.device)
+        comm.all_gather(gathered, shard, kind="params")
+
+        def value_at(a: int, b: int) -> torch.Tensor:
+            r = max(q for q in range(world) if starts[q] <= a and counts[q])
+            at = r * width + a - starts[r]
+            return gathered[at:at + b - a]
+
+        self._scatter_params(segs, local, gathered, value_at)
+        if self._pidx is None:
+            self.m.zero_()
+        else:
+            self.m.index_fill_(0, self._pidx_own, 0.0)
+        self.m.index_copy_(0, own_idx, m_new)
+        self._pidx, self._pidx_own = idx, own_idx
+        self._prev_local = (segs, local)
+        self._x = None
+        return {"grad_norm": norm, "scape/payload_numel": float(total),
+                "scape/residual_norm": res_sq.sqrt()}
+
+    def _forget_support(self) -> None:
+        self._pidx = self._pidx_own = None
