@@ -47,6 +47,11 @@ CONTENDERS = {
 
 
 def _worker(rank, world, kw, steps):
+    from scape_train.optim.scape import kernels
+
+    # what a CUDA step runs: the CPU's data-dependent fast paths (torch.nonzero, the counted
+    # top-k threshold) read sizes on the host, which only the CPU can afford
+    kernels.HOST_READS_ON_CPU = False
     from scape_train.optim import build_optimizer
     from scape_train.optim.config import OptimizerConfig
     from scape_train.profiling import DeviceOpCounter

@@ -74,7 +74,17 @@ def test_step_timer_never_synchronizes_inside_a_step(monkeypatch):
     assert set(totals) == {"data", "fwd_bwd", "optimizer"} and all(v >= 0 for v in totals.values())
 
 
+def _device_top_k() -> None:
+    """The rules are CUDA's: run the static-size path a CUDA device runs (the CPU's top-k and
+    nonzero read sizes on the host, which stalls nothing there; tests/test_scape_units.py checks
+    they select the same)."""
+    from scape_train.optim.scape import kernels
+
+    kernels.HOST_READS_ON_CPU = False
+
+
 def _step_sync_worker(rank, world, cfg_kw, steps):
+    _device_top_k()
     strategy, wrapped, _ = make(OptimizerConfig(**cfg_kw), width=64)
     counts = []
     for t in range(1, steps + 1):
@@ -111,8 +121,9 @@ def test_optimizer_step_reads_nothing_back_from_the_device(cfg_kw):
 @pytest.mark.parametrize("extra", [["optimizer=scape", "optimizer.density=0.1",
                                     "optimizer.density_warmup_steps=2"], ["optimizer=adamw"]],
                          ids=["scape", "adamw"])
-def test_trainer_step_makes_one_host_sync(tmp_path, extra):
+def test_trainer_step_makes_one_host_sync(tmp_path, extra, monkeypatch):
     """The loss agreement is the step's one read; metrics are read at log steps only."""
+    monkeypatch.setattr("scape_train.optim.scape.kernels.HOST_READS_ON_CPU", False)
     from scape_train.metrics import StepTimer
     from scape_train.train import Trainer, _StopSignal
 

@@ -16,7 +16,9 @@ reference step). The traced step runs the torch kernel path (``use_triton=off``)
 device; on a GPU its figure is rounded to the CUDA allocator's blocks.
 
 Fake tensors also hold the code to its no-host-sync rule: a value read on the host in the step
-(``.item()``, ``.tolist()``, a data-dependent shape) fails the trace.
+(``.item()``, ``.tolist()``, a data-dependent shape) fails the trace. It runs the static-size
+path (``kernels.HOST_READS_ON_CPU`` off); the CPU's data-dependent path allocates less (its
+top-k keeps ~1.25k candidates instead of sorting a segment), so the figure bounds it.
 """
 
 from __future__ import annotations
@@ -90,15 +92,27 @@ def trace_fused_step(cfg, model_cfg, vocab_size: int, world: int, density: float
                      on_gpu: bool) -> FusedStepMemory:
     """The fused step of ``cfg`` (an app config) at a constant ``density``, traced on the rank
     owning the largest range of ``world``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from scape_train.models.build import ARCHS, resolve_config
-    from scape_train.optim.scape.partition import ParamLayout, build_partition
-    from scape_train.optim.scape.strategy import ScapeStrategy
+    from scape_train.models.build import resolve_config
+    from scape_train.optim.scape import kernels
 
     o = dataclasses.replace(cfg.optimizer, density=density, density_warmup_steps=0,
                             scape_impl="fused", use_triton="off")
+    # the static-size path a GPU runs: fake tensors have no values to read back
     resolved = resolve_config(model_cfg, vocab_size)
+    host_reads, kernels.HOST_READS_ON_CPU = kernels.HOST_READS_ON_CPU, False
+    try:
+        return _trace(o, resolved, world, density, on_gpu)
+    finally:
+        kernels.HOST_READS_ON_CPU = host_reads
+
+
+def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> FusedStepMemory:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from scape_train.models.build import ARCHS
+    from scape_train.optim.scape.partition import ParamLayout, build_partition
+    from scape_train.optim.scape.strategy import ScapeStrategy
+
     tracker = _WithWorkspace(CUDA_BLOCK if on_gpu else 1, cpu_topk=not on_gpu)
     with FakeTensorMode():
         with torch.device("cpu"):

@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from .kernels import nonzero_sorted
 from .replicated import ReplicatedScape, clip_coef
 from .sharded import ShardedScape
 
@@ -185,7 +186,7 @@ class _FusedMixin:
         idx, self.given_idx = self.given_idx, None
         if idx is not None and idx.numel() == k:
             return idx
-        return torch.nonzero_static(mask, size=k).view(-1)
+        return nonzero_sorted(mask, k)
 
     def _set_momentum(self, m: torch.Tensor, idx: torch.Tensor, m_new: torch.Tensor) -> None:
         """``m ← 0`` off the mask (only the previous mask can be nonzero), ``m[idx] ← m_new``."""

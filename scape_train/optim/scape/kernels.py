@@ -30,6 +30,26 @@ _ENV_VAR = "SCAPE_KERNEL_BACKEND"
 _SHIFTS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
+# On the CPU a value read on the host, or an op whose output size depends on the data, stalls
+# nothing (there is no device queue to drain), and the CPU kernels of the data-dependent ops are
+# the faster ones: torch.nonzero is ~3x nonzero_static, a counted threshold beats topk's full
+# sort. CUDA code takes the static-size path (NCCL's rules). False: the static path on the CPU
+# too -- what the NCCL-rule tests and the memory plan's fake-tensor trace run.
+HOST_READS_ON_CPU = True
+
+
+def host_reads_ok(t: torch.Tensor) -> bool:
+    """Whether code on ``t``'s device may read values or sizes back (the CPU, see above)."""
+    return HOST_READS_ON_CPU and t.device.type == "cpu"
+
+
+def nonzero_sorted(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The flat indices of the ``count`` ones of the 1-D bool ``mask``, increasing."""
+    if host_reads_ok(mask):
+        return torch.nonzero(mask).view(-1)
+    return torch.nonzero_static(mask, size=count).view(-1)
+
+
 def packed_numel(n: int) -> int:
     """Bytes needed to pack ``n`` mask bits (``ceil(n / 8)``)."""
     if n < 0:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import pack_bits, packed_numel, unpack_bits
+from .kernels import nonzero_sorted, pack_bits, packed_numel, unpack_bits
 from .partition import ParamLayout, PartitionMap
 
 MASK_CODINGS = ("auto", "bitmap", "indices", "elias_fano")
@@ -165,7 +165,7 @@ def _ef_tables(plan: "MaskPlan", grp: "_Group", device: torch.device) -> dict:
     """Per-one constants of a plan's Elias-Fano group: where each one's low field starts (byte,
     bit shift), its width, mask, segment start and high-part offset, and the byte index of the
     concatenated upper vectors. Cached for the newest plan only (the warm-up visits each
-    density once): ~6 int64 and 2 bytes per one, plus the sorted-index template (one int64 per
+    density once): ~7 int64 per one, plus the sorted-index template (one int64 per
     one of the whole mask) -- state the memory plan counts (plan/optimizer_memory.py)."""
     key = str(device)
     if key in plan._ef:
@@ -177,8 +177,8 @@ def _ef_tables(plan: "MaskPlan", grp: "_Group", device: torch.device) -> dict:
     bseg = grp.seg_of(grp.high_bytes, grp.high_total)
     max_w = max((s.width for codes in plan.segs for s in codes if s.kind == ELIAS_FANO),
                 default=0)                                  # from the host plan: no read back
-    # shifts and widths fit a byte (fields are at most 33 bits): uint8 halves the tables
-    t = {"byte": start >> 3, "shift": (start & 7).to(torch.uint8), "width": width.to(torch.uint8),
+    # int64 throughout: a narrower shift or width would be converted at every decode
+    t = {"byte": start >> 3, "shift": start & 7, "width": width,
          "low_mask": torch.bitwise_left_shift(torch.ones_like(width), width) - 1,
          "nread": max(1, -(-(max_w + 7) // 8)),
          "high_base": 8 * grp.hcum[seg] + within, "flat_start": grp.flat_start[seg],
@@ -267,7 +267,7 @@ class MaskPlan:
             if s.kind == BITMAP:
                 shard[s.off:s.off + s.high_bytes] = pack_bits(bits, backend=backend)
                 continue
-            idx = torch.nonzero_static(bits, size=s.k).view(-1)     # sorted, k known: no sync
+            idx = nonzero_sorted(bits, s.k)          # sorted; k known: no sync on a device
             low = idx if s.kind == INDICES else idx & ((1 << s.width) - 1)
             if s.low_bytes:
                 shard[s.off:s.off + s.low_bytes] = _pack_fields(low, s.width, backend)
@@ -346,7 +346,7 @@ class MaskPlan:
             # j-th one overall belongs to segment g; its high part is pos - (8·hcum_g + j_g)
             bits = unpack_bits(gathered.index_select(0, ef["bidx"]), 8 * grp.high_total,
                                backend=backend)
-            pos = torch.nonzero_static(bits, size=grp.ones).view(-1)
+            pos = nonzero_sorted(bits, grp.ones)
             del bits                            # temporaries go as soon as they are used:
             # the decode's peak is a few index vectors, not every intermediate at once
             pos.sub_(ef["high_base"]).bitwise_left_shift_(ef["width"]).add_(low)

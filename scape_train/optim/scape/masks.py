@@ -14,8 +14,45 @@ import torch
 
 from ..comm import Comm, Handle
 from ..density import segment_k
+from .kernels import host_reads_ok
 from .mask_coding import MaskPlan
 from .partition import ParamLayout, PartitionMap
+
+
+# CPU top-k by threshold selection (top_k_indices, where kernels.host_reads_ok): a device's
+# torch.topk is a radix select with no host read; the CPU's sorts (value, index) pairs of its
+# whole input, the largest CPU item of a SCAPE step.
+_SAMPLE_ONES = 256      # expected ones of the mask in the threshold's sample
+_OVERSHOOT = 1.25       # the threshold keeps ~1.25k candidates: below k only ~4 sigma away
+_samples: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def top_k_indices(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (in no order) of the ``k`` largest entries of the non-negative ``a``: exactly
+    ``torch.topk(a, k).indices`` as a set (the same values; ties broken either way).
+
+    On the CPU: a threshold from a fixed pseudo-random sample (its ``_OVERSHOOT·k``-th largest,
+    scaled), every entry at or above it (~1.25k candidates, counted: a host read, which on the CPU
+    stalls nothing), and torch.topk over the candidates only; if the sample's threshold left fewer
+    than k, torch.topk over all. A few linear passes instead of a sort of the whole segment."""
+    n = a.numel()
+    size = min(n, _SAMPLE_ONES * n // max(k, 1))
+    if not host_reads_ok(a) or 8 * k > n or size >= n // 2:   # a dense pick: topk's sort
+        return torch.topk(a, k, sorted=False).indices
+    key = (n, size)
+    if key not in _samples:        # fixed per shape: the selection is a function of ``a`` only
+        if len(_samples) > 256:
+            _samples.clear()
+        gen = torch.Generator().manual_seed(n)
+        _samples[key] = torch.randint(n, (size,), generator=gen)
+    sample = a.index_select(0, _samples[key])
+    threshold = torch.topk(sample, int(_SAMPLE_ONES * _OVERSHOOT), sorted=False).values.min()
+    keep = a >= threshold
+    m = int(torch.count_nonzero(keep))
+    if m < k:
+        return torch.topk(a, k, sorted=False).indices
+    cand = torch.nonzero_static(keep, size=m).view(-1)
+    return cand.index_select(0, torch.topk(a.index_select(0, cand), k, sorted=False).indices)
 
 
 def topk_own_mask(stat_own: torch.Tensor, part: PartitionMap, rank: int, layout: ParamLayout,
@@ -30,8 +67,7 @@ def topk_own_mask(stat_own: torch.Tensor, part: PartitionMap, rank: int, layout:
         if layout.excluded[seg.tensor] or k >= seg.numel:
             piece.fill_(True)
         else:
-            idx = torch.topk(stat_own[a:a + seg.numel].abs(), k, sorted=False).indices
-            piece[idx] = True
+            piece.index_fill_(0, top_k_indices(stat_own[a:a + seg.numel].abs(), k), True)
     return bits
 
 
