@@ -299,13 +299,13 @@ class Trainer:
                 x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
             with timer.phase("fwd_bwd"):
                 with strategy.sync_context(self.fwd_model, micro == self.accum - 1), self.autocast():
-                    logits = self.fwd_model(x)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / self.accum
+                    # the model computes its loss: it masks the padded vocab in place
+                    loss = self.fwd_model(x, targets=y) / self.accum
                     if step in self.fault_nan_steps:
                         loss = loss * float("nan")
                 loss.backward()
             loss_sum += loss.detach().float()
-            del logits, loss   # not alive through the optimizer step (GiBs at paper shapes)
+            del loss
         with timer.phase("optimizer"):
             strategy.after_backward()
             # One tiny collective of device scalars agrees on the loss, a non-finite loss and a

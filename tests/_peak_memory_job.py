@@ -4,7 +4,7 @@
 
 Builds the model and the optimizer strategy as the trainer does (``build_model``,
 ``build_optimizer``, the trainer's ``apply_activation_checkpointing`` and ``autocast_context``),
-then runs two optimizer steps with the trainer's own loop body (so its locals -- the logits --
+then runs two optimizer steps with the trainer's own loop body (so that its locals
 live as long as they do there) and one ``state_dict()`` (the checkpoint's copies); random tokens,
 no data pipeline. Prints one JSON line: ``peak`` = the kernel's peak resident set (VmHWM) minus the
 resident set just before the model is built. The high-water mark is reset there (/proc/self/
@@ -19,7 +19,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from scape_train.config import Config, grad_accum_steps
 from scape_train.models import build_model
@@ -50,13 +49,12 @@ def run_steps(cfg: Config, steps: int) -> None:
             x = torch.randint(vocab, (t.micro_batch_size, cfg.data.seq_len), generator=gen)
             y = torch.randint(vocab, (t.micro_batch_size, cfg.data.seq_len), generator=gen)
             with autocast():
-                logits = model(x)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / accum
+                loss = model(x, targets=y) / accum
             loss.backward()
         strategy.after_backward()
         strategy.step(1e-4)
         strategy.zero_grad()
-    del logits, loss
+    del loss
     strategy.state_dict()
 
 

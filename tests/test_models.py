@@ -123,6 +123,23 @@ def test_vocab_padding(arch):
         torch.testing.assert_close(model(ids), before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("pad", [64, 1])
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+def test_training_loss_equals_the_loss_of_the_sliced_logits(arch, pad):
+    """``model(x, targets=y)`` masks the padded vocab in place instead of slicing the logits:
+    the same loss and gradients as cross-entropy over ``model(x)``."""
+    torch.manual_seed(0)
+    model = build_model(tiny(arch, vocab_size=0, vocab_pad_multiple=pad), vocab_size=100)
+    ids, targets = torch.randint(0, 100, (2, 8)), torch.randint(0, 100, (2, 8))
+    loss = model(ids, targets=targets)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    ref = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt"])
 def test_init_deterministic_and_scaled(arch):
     cfg = tiny(arch, n_layers=8, d_model=128, n_heads=4, vocab_size=512)

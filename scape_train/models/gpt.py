@@ -41,8 +41,10 @@ class GPT(CausalLM):
         # re-establish after to_empty() (which would otherwise split a shared Parameter in two).
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(d, padded_vocab(cfg), bias=False)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab]. With ``cache`` (incremental decoding, ``models/cache.py``) only
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]; with ``targets`` [B, T], the mean next-token loss instead
+        (``CausalLM._loss``: the training path). With ``cache`` (incremental decoding, ``models/cache.py``) only
         the new tokens are fed; positions continue from the cache's length."""
         t = self._check_input(input_ids)
         if cache is not None:
@@ -51,7 +53,7 @@ class GPT(CausalLM):
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
         for layer in self.layers:
             x = layer(x)
-        return self._logits(self.norm(x))
+        return self._logits(self.norm(x), targets)
 
     def _forward_cached(self, input_ids: torch.Tensor, cache: KVCache, t: int) -> torch.Tensor:
         cache.begin(t, input_ids.device)

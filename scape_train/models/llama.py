@@ -47,8 +47,10 @@ class Llama(CausalLM):
         self.norm = RMSNorm(d, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(d, padded_vocab(cfg), bias=False)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab]. With ``cache`` (incremental decoding, ``models/cache.py``) only
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]; with ``targets`` [B, T], the mean next-token loss instead
+        (``CausalLM._loss``: the training path). With ``cache`` (incremental decoding, ``models/cache.py``) only
         the new tokens are fed; their rotary positions continue from the cache's length."""
         t = self._check_input(input_ids)
         if cache is not None:
@@ -57,7 +59,7 @@ class Llama(CausalLM):
         x = self.tok_emb(input_ids)
         for layer in self.layers:
             x = layer(x, rope)
-        return self._logits(self.norm(x))
+        return self._logits(self.norm(x), targets)
 
     def _forward_cached(self, input_ids: torch.Tensor, cache: KVCache, t: int) -> torch.Tensor:
         device = input_ids.device

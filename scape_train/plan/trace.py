@@ -3,10 +3,10 @@
 The model is the trainer's own (``build_model``, activation checkpointing applied by the trainer's
 ``apply_activation_checkpointing``), built under ``FakeTensorMode``: every tensor has its real shape,
 dtype and storage size but no data, so a Llama-500M micro-batch of 16 x 4096 tokens costs about a
-second of CPU. The loss is the trainer's: ``F.cross_entropy(logits.float() ...) / accum`` under the
-trainer's autocast. With gradient accumulation two micro-batches are traced, because the second
-runs with the gradients already allocated and the first one's logits still referenced (the
-trainer's loop keeps ``logits`` until the next forward assigns it).
+second of CPU. The loss is the trainer's: ``model(tokens, targets=targets) / accum`` (the model
+masks its padded vocab and upcasts to fp32, ``CausalLM._loss``) under the trainer's autocast. With
+gradient accumulation two micro-batches are traced, because the second runs with the gradients
+already allocated.
 
 Attention: the trace runs on CPU fake tensors, where SDPA picks its CPU flash kernel -- O(T) memory,
 saving q, k, v, the output and the log-sum-exp, as the CUDA flash / memory-efficient kernels do.
@@ -24,7 +24,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from scape_train.models.config import ModelConfig
 from scape_train.plan.tracker import CUDA_BLOCK, LiveBytes
@@ -41,7 +40,7 @@ class MicroBatchTrace:
     peak_activations: int       # tensors created by the forward up to the final norm (saved ones)
     peak_logits: int            # logits, their fp32 copy and the loss internals
     peak_backward: int          # backward temporaries (activation gradients), besides ``peak_grads``
-    held_after: int             # what the trainer still references after backward (the logits)
+    held_after: int             # what the trainer still references after backward
     ops: int                    # aten ops traced (a cost figure)
 
 
@@ -95,13 +94,11 @@ def _trace(model_fields: tuple, vocab_size: int, micro_batch: int, seq_len: int,
             tracker.category = "logits"
 
         hook = model.norm.register_forward_hook(body_done)
-        logits = None
         with tracker, attention:
             for _ in range(min(accum, 2)):
                 tracker.category = "activations"
                 with autocast():
-                    logits = model(tokens)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
+                    loss = model(tokens, targets=targets) / accum
                 tracker.category = "backward"
                 loss.backward()
                 del loss
@@ -112,7 +109,6 @@ def _trace(model_fields: tuple, vocab_size: int, micro_batch: int, seq_len: int,
                             if (tracker.created_at(g) or 0) <= tracker.peak_op)
         by = tracker.peak_by_category
         held = tracker.live - tracker.by_category["params"] - grad_bytes
-        del logits
         return MicroBatchTrace(
             params=by.get("params", 0), grads=grad_bytes, peak=tracker.peak, peak_grads=grads_at_peak,
             peak_activations=by.get("activations", 0), peak_logits=by.get("logits", 0),
