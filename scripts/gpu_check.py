@@ -221,6 +221,10 @@ def check_scape_step(ctx: Ctx) -> dict:
         for p in params:
             p.grad = torch.randn(p.shape, device=ctx.device, generator=g).mul_(1e-2)
 
+    if not ctx.cuda:   # the CPU smoke counts what a GPU runs: the static-size path
+        from scape_train.optim.scape import kernels
+
+        kernels.HOST_READS_ON_CPU = False
     out = {"params": n}
     contenders = {"adams": dict(name="adams", clip_grad=1.0)}
     for d in (0.1, 0.01):
