@@ -14,7 +14,7 @@ import torch
 
 from ..comm import Comm, Handle
 from ..density import segment_k
-from .kernels import host_reads_ok
+from .kernels import host_reads_ok, nonzero_sorted
 from .mask_coding import MaskPlan
 from .partition import ParamLayout, PartitionMap
 
@@ -51,7 +51,7 @@ def top_k_indices(a: torch.Tensor, k: int) -> torch.Tensor:
     m = int(torch.count_nonzero(keep))
     if m < k:
         return torch.topk(a, k, sorted=False).indices
-    cand = torch.nonzero_static(keep, size=m).view(-1)
+    cand = nonzero_sorted(keep, m)
     return cand.index_select(0, torch.topk(a.index_select(0, cand), k, sorted=False).indices)
 
 

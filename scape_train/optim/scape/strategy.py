@@ -110,7 +110,8 @@ class ScapeStrategy(OptimizerStrategy):
         # the fused engine takes its O(k) path at low density only (select_path); it reads the
         # gradients where autograd left them (and consumes them: scaled in place), the reference
         # path takes one flat copy
-        fast = self.engine.select_path(sum(map(sum, counts)))
+        ones = sum(map(sum, counts))
+        fast = self.engine.select_path(ones)
         g = self._grads() if fast else self._flat_grads()
         prev = self.mask_cur
         mask = self.next_mask()              # the one wait: M_t, gathered during fwd/bwd
@@ -127,7 +128,6 @@ class ScapeStrategy(OptimizerStrategy):
         self._pending = self.exchange.start(own_bits, d_next, async_op=True)
         metrics.update(self.engine.finish_step())   # after the top-k has read the candidate
         self.mask_cur, self.steps_done = mask, t
-        ones = float(sum(map(sum, counts)))
         metrics["scape/density"] = ones / self.layout.total
         metrics["scape/target_density"] = self.density(t)
         if prev is not None:  # temporal stability: ones of M_t that were already in M_{t-1}
