@@ -106,15 +106,20 @@ def check_invariants(results: list[dict], clip_active: bool) -> None:
 
 
 def resume_and_offload_run(cfg: OptimizerConfig, rank: int, n: int = 3) -> dict:
-    """2n steps straight, 2n with the residual offloaded (odd chunks), and n + save/load into fresh
-    objects with other initial weights + n: parameters and optimizer states of all three."""
+    """2n steps straight; 2n with the residual offloaded (odd chunks) beside 2n straight on the
+    engine offload runs on (the reference: ``p_off``/``s_off`` against ``p_ref``/``s_ref``);
+    and n + save/load into fresh objects with other initial weights + n: parameters and
+    optimizer states of all."""
     full, w_full, _ = make(cfg)
     for t in range(1, 2 * n + 1):
         train_step(full, w_full, t, rank)
-    off, w_off, _ = make(OptimizerConfig(**{**cfg.__dict__, "offload_residuals": True,
+    ref_cfg = {**cfg.__dict__, "scape_impl": "reference"}
+    off, w_off, _ = make(OptimizerConfig(**{**ref_cfg, "offload_residuals": True,
                                             "offload_chunk_numel": 37}))
+    ref, w_ref, _ = make(OptimizerConfig(**ref_cfg))
     for t in range(1, 2 * n + 1):
         train_step(off, w_off, t, rank)
+        train_step(ref, w_ref, t, rank)
     first, w_first, _ = make(cfg)
     for t in range(1, n + 1):
         train_step(first, w_first, t, rank)
@@ -128,9 +133,10 @@ def resume_and_offload_run(cfg: OptimizerConfig, rank: int, n: int = 3) -> dict:
     for t in range(n + 1, 2 * n + 1):
         train_step(second, w_second, t, rank)
     out = dict(p_full=flat_params(w_full), p_resumed=flat_params(w_second),
-               p_off=flat_params(w_off), s_full=full.state_dict(), s_resumed=second.state_dict(),
-               s_off=off.state_dict(), saved_keys=sorted(saved["opt"]))
-    for s in (full, off, first, second):
+               p_off=flat_params(w_off), p_ref=flat_params(w_ref), s_full=full.state_dict(),
+               s_resumed=second.state_dict(), s_off=off.state_dict(), s_ref=ref.state_dict(),
+               saved_keys=sorted(saved["opt"]))
+    for s in (full, off, ref, first, second):
         s.close()
     return out
 

@@ -4,9 +4,13 @@ line): same masks, parameters, momentum and residuals, in one process and on glo
 Tolerance: the fused engine runs the reference's elementwise ops in the reference's order on
 every coordinate, but on k-sized gathered tensors instead of full-size ones, so a coordinate can
 fall in a vectorized body (FMA in ``add(alpha=)``/``addcmul``) in one and in a scalar tail
-(separate multiply and add) in the other: at most ~1 ulp per op per step. We check
-``rtol=1e-6, atol=1e-9`` on parameters/momentum/residuals over 6 steps (a few ulps of fp32) and
-exact equality of every mask; the §2 invariants (tests/_scape_checks.py) hold exactly.
+(separate multiply and add) in the other. On the CPU the fused step's O(k) passes run as C loops
+(``native/scape_cpu.c``), whose ``sqrtf`` is correctly rounded where torch's AVX-512 ``sqrt`` is
+not (1 ulp off on ~20% of random inputs, measured), and whose ``‖ĝ‖`` sums in double. So each
+step may differ by ~1 ulp per op, and the parameters' gradients then differ by what 1 ulp of a
+parameter changes. We check, over 6 steps, every tensor to ``rtol=1e-6`` plus ``1e-6`` of its own
+largest entry (a few ulps of the tensor's scale), and exact equality of every mask; the §2
+invariants (tests/_scape_checks.py) hold exactly.
 """
 
 from __future__ import annotations
@@ -15,12 +19,17 @@ import pytest
 import torch
 
 from scape_train.optim.config import OptimizerConfig
+from scape_train.optim.scape import native
 
 from ._dist import run_distributed
 from ._optim_common import flat_params, make, train_step
 from ._scape_checks import check_invariants, record_run
 
-TOL = dict(rtol=1e-6, atol=1e-9)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(a.abs().max()) + 1e-12,
+                               msg=msg or None)
 
 
 def _cfg(**kw) -> OptimizerConfig:
@@ -52,9 +61,9 @@ def _compare(runs: list) -> None:
     for rec in runs:
         for key in ("mask", "next"):
             assert torch.equal(*rec[key]), key
-        torch.testing.assert_close(*rec["p"], **TOL)
+        _close(*rec["p"])
         for k, (a, b) in rec["state"].items():
-            torch.testing.assert_close(a, b, **TOL, msg=k)
+            _close(a, b, msg=k)
         mr, mf = rec["metrics"]
         for k in ("grad_norm", "scape/residual_norm", "scape/payload_numel", "scape/density"):
             assert mf[k] == pytest.approx(mr[k], rel=1e-5, abs=1e-12), k
@@ -68,8 +77,9 @@ def test_fused_equals_reference_one_worker(sharded, bias_correction):
 
 @pytest.mark.parametrize("coding", ["elias_fano", "bitmap", "indices"])
 def test_decoded_indices_equal_the_mask(coding):
-    """Elias-Fano (with all-ones segments) hands the update the mask's sorted indices from the
-    decode; other codings fall back to nonzero_static. Both give the same step."""
+    """The decode hands the update the mask's sorted indices: the C decode for every per-segment
+    coding (not the whole-range bitmap), the torch decode for Elias-Fano (with all-ones
+    segments); others fall back to nonzero_static. All give the same step."""
     _compare(_pair_run(0, mask_coding=coding, density_warmup_steps=0))
     s, w, _ = make(_cfg(mask_coding=coding, density_warmup_steps=0))
     seen = []
@@ -85,7 +95,8 @@ def test_decoded_indices_equal_the_mask(coding):
     s.engine._mask_index = spy
     for t in range(1, 4):
         train_step(s, w, t, 0)
-    assert seen[1:] == [coding == "elias_fano"] * 2     # step 1's mask is built synchronously
+    given = coding == "elias_fano" or (coding != "bitmap" and native.lib(torch.zeros(1)) is not None)
+    assert seen[1:] == [given] * 2     # step 1's mask is built synchronously
 
 
 def test_fused_default_and_invariants_one_worker():

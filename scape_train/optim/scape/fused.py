@@ -21,6 +21,13 @@ source of difference is that a vectorized ``add(alpha=)``/``addcmul`` may use an
 of a tensor and a separate multiply-add in its scalar tail, and the k-sized gathered tensors put
 different coordinates in the tail than the full-size ones (≤ 1 ulp per op).
 
+Two implementations of these passes, chosen per step: on the CPU (where ``kernels.host_reads_ok``
+holds) C loops (:mod:`.native`, ``native/scape_cpu.c``: one loop per phase over the mask's
+indices, the candidate's and the fold's square sums taken on the way, so the residual-norm metric
+costs no pass of its own); elsewhere -- CUDA, ``SCAPE_NATIVE=0``, no C compiler, a recording test
+step -- the torch ops written out below, which are also what the C loops are tested against
+(tests/test_scape_native.py).
+
 Falls back to the reference methods (same object, same state) for what it does not cover:
 low-precision payloads (their quantization error lands on the mask positions, so ``e_{t-1} = 0``
 on the previous mask no longer holds) and offloaded residuals (walked in host chunks).
@@ -32,6 +39,7 @@ import math
 
 import torch
 
+from . import native
 from .kernels import nonzero_sorted
 from .replicated import ReplicatedScape, clip_coef
 from .sharded import ShardedScape
@@ -41,6 +49,22 @@ from .sharded import ShardedScape
 # densities are 0.01-0.1, plus the always-sent norm and bias tensors; a density warm-up starts
 # at 1): see _FusedMixin.select_path.
 FUSED_MAX_FRACTION = 0.5
+
+
+class _MaskIndex:
+    """A mask's sorted flat indices, cut by the plan's segments ``(tensor, a, b)``; the
+    per-tensor indices (flat minus the tensor's offset) are computed when a torch op needs
+    them -- the C loops take the flat ones and the offsets."""
+
+    def __init__(self, segs: list, idx: torch.Tensor, offsets: torch.Tensor):
+        self.segs, self.idx, self._offsets = segs, idx, offsets
+        self._local: torch.Tensor | None = None
+
+    @property
+    def local(self) -> torch.Tensor:
+        if self._local is None:
+            self._local = self.idx - self._offsets
+        return self._local
 
 
 class _FusedMixin:
@@ -102,9 +126,51 @@ class _FusedMixin:
             self._plans[key] = plan
         return plan
 
-    def _local(self, idx: torch.Tensor, counts: list[list[int]]) -> tuple[list, torch.Tensor]:
+    def _index(self, idx: torch.Tensor, counts: list[list[int]]) -> _MaskIndex:
         segs, offsets, _ = self._plan(counts)
-        return segs, idx - offsets
+        return _MaskIndex(segs, idx, offsets)
+
+    # -- the C loops (native/scape_cpu.c): the same equations, one loop per phase -------------
+    def _native(self, grads=None):
+        """The C library for this step, or ``None`` (CUDA, ``SCAPE_NATIVE=0``, a recording
+        test step, a gradient that is not contiguous fp32: the torch ops below run)."""
+        if self.record:
+            return None
+        if grads is not None and not all(g.dtype == torch.float32 and g.is_contiguous()
+                                         for g in grads):
+            return None
+        return native.lib(self.m)
+
+    def _grad_table(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pointer, flat offset) per tensor, and the numels: where the C prepare reads g."""
+        offs = self.layout.offsets
+        gtab = native.table([[g.data_ptr(), offs[i]] for i, g in enumerate(grads)], 2)
+        return gtab, torch.tensor(self.layout.numels, dtype=torch.int64)
+
+    def _param_table(self, segs: list, lo: int, hi: int, src=None) -> torch.Tensor:
+        """Per segment of the index-list slice ``[lo, hi)``: θ's pointer, its flat offset,
+        ``a``, ``b`` (and, with ``src(a)``, where its values start in a gathered buffer)."""
+        lay = self.layout
+        rows = [[lay.params[t].data_ptr(), lay.offsets[t], a, b] + ([] if src is None
+                                                                   else [src(a)])
+                for t, a, b in segs if a >= lo and b <= hi]
+        return native.table(rows, 4 if src is None else 5)
+
+    def _native_adams(self, lib, idx, j0: int, base: int, ghat: torch.Tensor, m: torch.Tensor,
+                      ttab: torch.Tensor, out: torch.Tensor | None, coef, lr: float,
+                      step: int) -> None:
+        """:meth:`_adams_k` in C over the index list's ``[j0, j0 + len(ghat))``: θ updated in
+        place (or into ``out``); ``ghat`` becomes the new momentum."""
+        cfg = self.cfg
+        beta1, beta2 = cfg.betas
+        bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+        bias = {"adam": 1, "official": 2}.get(cfg.bias_correction, 0)
+        step_size = lr / bc1 if bias else lr
+        lib.scape_adams(native.ptr(idx), j0, base, native.ptr(ghat), native.ptr(m),
+                        native.ptr(ttab), ttab.shape[0], native.ptr(out),
+                        1.0 if coef is None else float(coef), int(coef is not None), beta1,
+                        beta2, 1.0 - beta1, 1.0 - beta2, bc1, math.sqrt(bc2), cfg.eps,
+                        -step_size, bias)
 
     # -- gradients: read where autograd left them ----------------------------------------------
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -118,7 +184,7 @@ class _FusedMixin:
 
     def _grads_at(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The gradients at the previous mask's indices (k values, flat order)."""
-        segs, local = self._prev_local
+        segs, local = self._prev_local.segs, self._prev_local.local
         parts = [grads[t].index_select(0, local[a:b]) for t, a, b in segs]
         if not parts:
             return torch.zeros(0, dtype=torch.float32, device=self.layout.device)
@@ -217,6 +283,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         super().__init__(*args, **kwargs)
         self._init_fused()
         self._zero_pending = False
+        self._c_sq: float | None = None     # Σ c² from the C prepare
 
     def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
         """``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
@@ -226,10 +293,26 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             return super().prepare(g, mask)
         beta1 = self.cfg.betas[0]
         e = self.residual.tensor()
-        if self._pidx is None:          # m may be nonzero anywhere (first step, after a load)
+        self._c_sq = None
+        lib = self._native(g)
+        if self._pidx is None and lib is not None:   # the general line below, in C
+            gtab, numels = self._grad_table(g)
+            self._c_sq = lib.scape_prepare_replicated_general(
+                len(g), native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
+                beta1, 1.0 - beta1)
+        elif self._pidx is None:        # m may be nonzero anywhere (first step, after a load)
             w = torch._foreach_mul(self._views(self.m), beta1)
             torch._foreach_add_(w, g, alpha=1.0 - beta1)
             torch._foreach_add_(self._views(e), w)
+        elif lib is not None:           # the two lines below, in C
+            segs = self._prev_local.segs
+            gtab, numels = self._grad_table(g)
+            ptab = native.table([[g[t].data_ptr(), self.layout.offsets[t], a, b]
+                                 for t, a, b in segs], 4)
+            self._c_sq = lib.scape_prepare_replicated(
+                len(g), native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
+                native.ptr(self._pidx), self._pidx.numel(), native.ptr(ptab), ptab.shape[0],
+                beta1, 1.0 - beta1)                     # Σ c², for the residual-norm metric
         else:                           # m and e_{t-1}: nonzero on disjoint sets
             pidx = self._pidx
             c_p = self.m.index_select(0, pidx).mul_(beta1).add_(self._grads_at(g),
@@ -251,6 +334,9 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             self.last = {"c": c.clone(), "m_prev": self.m.clone()}
         k = sum(map(sum, counts))
         idx = self._mask_index(mask, k)
+        lib = self._native()
+        if lib is not None:
+            return self._update_native(lib, idx, k, counts, lr, step)
         payload = c.index_select(0, idx)
         self.comm.all_reduce(payload, kind="payload", average=True)
         m_c = self.m.index_select(0, idx)
@@ -261,13 +347,42 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         if self.record:
             ghat = torch.zeros_like(c).index_copy_(0, idx, ghat_c)
             self.last.update(payload=payload.clone(), ghat=ghat)
-        segs, local = self._local(idx, counts)
+        mi = self._index(idx, counts)
+        segs, local = mi.segs, mi.local
         self._decay(lr)
         theta_c = self._gather_params(segs, local, 0, k)
         m_new = self._adams_k(m_c, ghat_c, theta_c, lr, step)
         self._scatter_params(segs, local, theta_c)
         self._set_momentum(self.m, idx, m_new)
-        self._prev_local = (segs, local)
+        self._prev_local = mi
+        self._idx, self._zero_pending = idx, True
+        self._c = None
+        return {"grad_norm": norm, "scape/payload_numel": float(k)}
+
+    def _update_native(self, lib, idx: torch.Tensor, k: int, counts: list[list[int]],
+                       lr: float, step: int) -> dict[str, float]:
+        """:meth:`update` with its O(k) passes in C: gather, ĝ and its norm, AdamS at the mask
+        positions, the momentum; the all-reduce and the weight decay as on the torch path."""
+        cfg, c, m = self.cfg, self._c, self.m
+        payload = torch.empty(k, dtype=torch.float32, device=c.device)
+        lib.scape_gather(k, native.ptr(idx), 0, native.ptr(c), native.ptr(payload))
+        self.comm.all_reduce(payload, kind="payload", average=True)
+        sq = lib.scape_ghat(k, native.ptr(idx), 0, native.ptr(payload), None, native.ptr(m),
+                            cfg.betas[0], 1.0 - cfg.betas[0])  # payload becomes ĝ
+        norm = torch.tensor(math.sqrt(sq), dtype=torch.float32)
+        coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
+        mi = self._index(idx, counts)
+        segs = mi.segs
+        self._decay(lr)
+        self._native_adams(lib, idx, 0, 0, payload, m, self._param_table(segs, 0, k), None,
+                           coef, lr, step)                     # payload becomes m_new
+        if self._pidx is None:
+            m.zero_()
+        lib.scape_set_momentum(native.ptr(m), 0, native.ptr(self._pidx),
+                               0 if self._pidx is None else self._pidx.numel(),
+                               native.ptr(idx), k, native.ptr(payload))
+        self._pidx = idx
+        self._prev_local = mi
         self._idx, self._zero_pending = idx, True
         self._c = None
         return {"grad_norm": norm, "scape/payload_numel": float(k)}
@@ -277,8 +392,17 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         if not self.fast:
             return {}
         e = self.residual.tensor()
+        c_sq, self._c_sq = self._c_sq, None
         if self._zero_pending:
-            e.index_fill_(0, self._idx, 0.0)
+            lib = self._native()
+            if lib is not None:
+                cut = lib.scape_fill(native.ptr(e), native.ptr(self._idx), self._idx.numel(), 0.0)
+                if c_sq is not None:    # ‖(1-M)⊙c‖² = Σ c² - Σ_M c², both summed in double
+                    self._zero_pending = False
+                    return {"scape/residual_norm":
+                            torch.tensor(math.sqrt(max(c_sq - cut, 0.0)), dtype=torch.float64)}
+            else:
+                e.index_fill_(0, self._idx, 0.0)
             self._zero_pending = False
         return {"scape/residual_norm": torch.linalg.vector_norm(e).double()}
 
@@ -295,6 +419,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         super().__init__(*args, **kwargs)
         self._init_fused()
         self._pidx_own: torch.Tensor | None = None
+        self._x_sq: float | None = None     # Σ x² from the C prepare
 
     def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
         """``ε ← x = (1-β1)·g + ε`` (``g``: per-tensor gradients, consumed), ``ρ ← base``;
@@ -303,6 +428,17 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             return super().prepare(g, mask)
         beta1 = self.cfg.betas[0]
         eps_ = self.residual.tensor()
+        lib = self._native(g) if self._pidx is not None else None
+        self._x_sq = None
+        if lib is not None:                                  # ε ← x, ρ ← base, in C
+            gtab, numels = self._grad_table(g)
+            p = self._pidx_own
+            self._x_sq = lib.scape_prepare_sharded(
+                len(g), native.ptr(gtab), native.ptr(numels), native.ptr(eps_),
+                native.ptr(self.rho), native.ptr(self.m), native.ptr(p), p.numel(), beta1,
+                1.0 - beta1)
+            self._x = eps_
+            return torch.add(self.rho, eps_[self.lo:self.hi])
         self._add_scaled_grads(eps_, g)                      # ε ← x
         if self._pidx is None:
             self.rho = torch.mul(self.m, beta1).add_(self.rho)
@@ -327,6 +463,9 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         total = sum(counts)
         starts = [sum(counts[:r]) for r in range(world)]
         idx = self._mask_index(mask, total)
+        lib = self._native()
+        if lib is not None:
+            return self._update_native(lib, idx, seg_counts, counts, starts, width, lr, step)
         payload = x.index_select(0, idx)
         send = torch.zeros(world, width, dtype=torch.float32, device=x.device)
         for r, k in enumerate(counts):
@@ -349,7 +488,8 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self.rho.index_fill_(0, own_idx, 0.0)                # ρ = (1-M)⊙base
         x.index_fill_(0, idx, 0.0)                           # ε = (1-M)⊙x
         res_sq = torch.linalg.vector_norm(x).double().square()
-        segs, local = self._local(idx, seg_counts)
+        mi = self._index(idx, seg_counts)
+        segs, local = mi.segs, mi.local
         self._decay(lr)
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
         if k_own:
@@ -373,9 +513,68 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             self.m.index_fill_(0, self._pidx_own, 0.0)
         self.m.index_copy_(0, own_idx, m_new)
         self._pidx, self._pidx_own = idx, own_idx
-        self._prev_local = (segs, local)
+        self._prev_local = mi
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(total),
+                "scape/residual_norm": res_sq.sqrt()}
+
+    def _update_native(self, lib, idx: torch.Tensor, seg_counts: list[list[int]],
+                       counts: list[int], starts: list[int], width: int, lr: float, step: int
+                       ) -> dict[str, float]:
+        """:meth:`update` with its O(k) passes in C (the payload gathered straight into the
+        reduce-scatter's rows, ĝ and ρ's fold, AdamS into the shard, the parameters from the
+        gathered shards, the momentum); the collectives and the weight decay as in torch."""
+        cfg, x, comm, m = self.cfg, self._x, self.comm, self.m
+        world, rank, lo = comm.world, comm.rank, self.lo
+        send = torch.zeros(world, width, dtype=torch.float32, device=x.device)
+        for r, k in enumerate(counts):
+            if k:
+                lib.scape_gather(k, native.ptr(idx[starts[r]:starts[r] + k]), 0, native.ptr(x),
+                                 native.ptr(send[r]))
+        recv = torch.empty(width, dtype=torch.float32, device=x.device)
+        comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True)
+        del send
+        k_own, s_own = counts[rank], starts[rank]
+        own = idx[s_own:s_own + k_own]
+        sq = lib.scape_ghat(k_own, native.ptr(own), lo, native.ptr(recv), native.ptr(self.rho),
+                            native.ptr(m), cfg.betas[0], 1.0 - cfg.betas[0])  # recv = ĝ;
+        # ρ = (1-M)⊙base
+        sq_t = torch.tensor([sq], dtype=torch.float32)
+        comm.all_reduce(sq_t, kind="norm", average=False)
+        norm = sq_t.sqrt()[0]
+        coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
+        cut = lib.scape_fill(native.ptr(x), native.ptr(idx), idx.numel(), 0.0)  # ε = (1-M)⊙x
+        x_sq, self._x_sq = self._x_sq, None
+        res_sq = (torch.linalg.vector_norm(x).double().square() if x_sq is None
+                  else torch.tensor(max(x_sq - cut, 0.0), dtype=torch.float64))
+        mi = self._index(idx, seg_counts)
+        segs = mi.segs
+        self._decay(lr)
+        shard = torch.zeros(width, dtype=torch.float32, device=x.device)
+        if k_own:
+            self._native_adams(lib, idx, s_own, lo, recv, m,
+                               self._param_table(segs, s_own, s_own + k_own), shard, coef, lr,
+                               step)                          # recv[:k] = m_new
+        gathered = torch.empty(width * world, dtype=torch.float32, device=x.device)
+        comm.all_gather(gathered, shard, kind="params")
+
+        def src(a: int) -> int:
+            r = max(q for q in range(world) if starts[q] <= a and counts[q])
+            return r * width + a - starts[r]
+
+        stab = self._param_table(segs, 0, idx.numel(), src)
+        lib.scape_scatter_params(native.ptr(idx), native.ptr(stab), stab.shape[0],
+                                 native.ptr(gathered))
+        own_local = own - lo
+        if self._pidx is None:
+            m.zero_()
+        lib.scape_set_momentum(native.ptr(m), 0, native.ptr(self._pidx_own),
+                               0 if self._pidx is None else self._pidx_own.numel(),
+                               native.ptr(own_local), k_own, native.ptr(recv))
+        self._pidx, self._pidx_own = idx, own_local
+        self._prev_local = mi
+        self._x = None
+        return {"grad_norm": norm, "scape/payload_numel": float(sum(counts)),
                 "scape/residual_norm": res_sq.sqrt()}
 
     def _forget_support(self) -> None:

@@ -39,11 +39,13 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .kernels import nonzero_sorted, pack_bits, packed_numel, unpack_bits
 from .partition import ParamLayout, PartitionMap
 
 MASK_CODINGS = ("auto", "bitmap", "indices", "elias_fano")
 ALL, BITMAP, INDICES, ELIAS_FANO = "all", "bitmap", "indices", "elias_fano"
+_NATIVE_KIND = {ALL: 0, BITMAP: 1, INDICES: 2, ELIAS_FANO: 3}     # native/scape_cpu.c's codes
 _MAX_FIELD_BITS = 33        # a field read spans at most 5 bytes (33 bits + a 7-bit offset)
 
 
@@ -260,6 +262,18 @@ class MaskPlan:
             shard[:packed.numel()] = packed
             return shard
         lo = self.part.ranges[rank][0]
+        lib = native.lib(own_bits)
+        if lib is not None and own_bits.is_contiguous():
+            rows = [[_NATIVE_KIND[s.kind], s.flat_start - lo, s.numel, s.k, s.width, s.off,
+                     s.low_bytes, s.high_bytes] for s in self.segs[rank]]
+            tab = native.table(rows, 8)
+            bad = lib.scape_mask_encode(len(rows), native.ptr(tab), native.ptr(own_bits),
+                                        native.ptr(shard), shard.numel())
+            if bad:
+                s = self.segs[rank][-1 - bad]
+                raise RuntimeError(f"mask encode: the segment at flat {s.flat_start} does not "
+                                   f"hold the {s.k} ones its plan says")
+            return shard
         for s in self.segs[rank]:
             if s.kind == ALL:
                 continue
@@ -311,6 +325,10 @@ class MaskPlan:
         tables = self._device_tables(device)
         if tables["all_ones"]:
             return torch.ones(self.total, dtype=torch.bool, device=device)
+        probe = gathered if gathered is not None else torch.empty(0, device=device)
+        lib = native.lib(probe)
+        if lib is not None and (gathered is None or gathered.is_contiguous()):
+            return self._decode_native(lib, gathered, device)
         mask = torch.zeros(self.total, dtype=torch.bool, device=device)
         if tables["implicit"].numel():
             mask.index_fill_(0, tables["implicit"], True)
@@ -357,6 +375,34 @@ class MaskPlan:
         del buf
         if found:
             mask.index_fill_(0, found[0] if len(found) == 1 else torch.cat(found), True)
+        return mask
+
+    def _decode_native(self, lib, gathered: torch.Tensor | None, device: torch.device
+                       ) -> torch.Tensor:
+        """The C decode (native/scape_cpu.c): one loop over the segments writes the mask and
+        the sorted indices of its ones (every coding), no per-one int64 temporaries."""
+        if "native" not in self._tables:
+            rows = []
+            for r, codes in enumerate(self.segs):
+                for s in codes:
+                    base = r * self.shard_bytes + s.off
+                    rows.append([_NATIVE_KIND[s.kind], s.flat_start, s.numel, s.k, s.width,
+                                 base, base + s.low_bytes, s.high_bytes])
+            self._tables["native"] = (native.table(rows, 8),
+                                      sum(s.numel if s.kind == ALL else s.k
+                                          for codes in self.segs for s in codes))
+        tab, ones = self._tables["native"]
+        mask = torch.empty(self.total, dtype=torch.bool, device=device)
+        idx = torch.empty(ones, dtype=torch.int64, device=device)
+        n = 0 if gathered is None else gathered.numel()
+        got = lib.scape_mask_decode(tab.shape[0], native.ptr(tab), native.ptr(gathered), n,
+                                    native.ptr(mask), self.total, native.ptr(idx), ones)
+        if got != ones:
+            where = ("" if got >= 0 else
+                     f" (segment at flat {int(tab[-1 - got, 1])})")
+            raise RuntimeError(f"mask decode: the gathered bytes do not match the plan{where}; "
+                               f"{got} ones decoded, {ones} expected")
+        self._indices = idx
         return mask
 
     def _device_tables(self, device: torch.device) -> dict:

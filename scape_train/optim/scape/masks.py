@@ -14,6 +14,7 @@ import torch
 
 from ..comm import Comm, Handle
 from ..density import segment_k
+from . import native
 from .kernels import host_reads_ok, nonzero_sorted
 from .mask_coding import MaskPlan
 from .partition import ParamLayout, PartitionMap
@@ -27,6 +28,38 @@ _OVERSHOOT = 1.25       # the threshold keeps ~1.25k candidates: below k only ~4
 _samples: dict[tuple[int, int], torch.Tensor] = {}
 
 
+def _sample(a: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The threshold's sample of positions for a top-k of ``k`` of ``a`` (fixed per shape: the
+    selection is a function of ``a`` only), or ``None`` where the threshold does not pay: on a
+    device (no host reads), or for a dense pick."""
+    n = a.numel()
+    size = min(n, _SAMPLE_ONES * n // max(k, 1))
+    if not host_reads_ok(a) or 8 * k > n or size >= n // 2:
+        return None
+    key = (n, size)
+    if key not in _samples:
+        if len(_samples) > 256:
+            _samples.clear()
+        gen = torch.Generator().manual_seed(n)
+        _samples[key] = torch.randint(n, (size,), generator=gen)
+    return _samples[key]
+
+
+def _top_k_bits_native(lib, stat: torch.Tensor, k: int, bits: torch.Tensor) -> bool:
+    """The C top-k (native/scape_cpu.c: the same sampled threshold, then one pass to collect
+    the candidates' |c|, a quickselect, one pass writing the bits): ``bits`` set to exactly the
+    k largest ``|stat|`` (no abs copy, no index vectors); False where it does not apply."""
+    sample = _sample(stat, k)
+    if sample is None or not stat.is_contiguous():
+        return False
+    rank = int(_SAMPLE_ONES * _OVERSHOOT)
+    cap = max(2 * k, sample.numel()) + 64
+    work = torch.empty(cap, dtype=torch.float32)
+    return lib.scape_topk_bits(native.ptr(stat), stat.numel(), k, native.ptr(sample),
+                               sample.numel(), rank - 1, native.ptr(bits), native.ptr(work),
+                               cap) == 0
+
+
 def top_k_indices(a: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (in no order) of the ``k`` largest entries of the non-negative ``a``: exactly
     ``torch.topk(a, k).indices`` as a set (the same values; ties broken either way).
@@ -35,17 +68,10 @@ def top_k_indices(a: torch.Tensor, k: int) -> torch.Tensor:
     scaled), every entry at or above it (~1.25k candidates, counted: a host read, which on the CPU
     stalls nothing), and torch.topk over the candidates only; if the sample's threshold left fewer
     than k, torch.topk over all. A few linear passes instead of a sort of the whole segment."""
-    n = a.numel()
-    size = min(n, _SAMPLE_ONES * n // max(k, 1))
-    if not host_reads_ok(a) or 8 * k > n or size >= n // 2:   # a dense pick: topk's sort
+    sample_idx = _sample(a, k)
+    if sample_idx is None:         # a dense pick (or a device): topk's sort
         return torch.topk(a, k, sorted=False).indices
-    key = (n, size)
-    if key not in _samples:        # fixed per shape: the selection is a function of ``a`` only
-        if len(_samples) > 256:
-            _samples.clear()
-        gen = torch.Generator().manual_seed(n)
-        _samples[key] = torch.randint(n, (size,), generator=gen)
-    sample = a.index_select(0, _samples[key])
+    sample = a.index_select(0, sample_idx)
     threshold = torch.topk(sample, int(_SAMPLE_ONES * _OVERSHOOT), sorted=False).values.min()
     keep = a >= threshold
     m = int(torch.count_nonzero(keep))
@@ -60,13 +86,14 @@ def topk_own_mask(stat_own: torch.Tensor, part: PartitionMap, rank: int, layout:
     """The owner's bits over its range ``[lo, hi)``: top-k of ``|stat|`` per segment."""
     lo, hi = part.ranges[rank]
     bits = torch.zeros(hi - lo, dtype=torch.bool, device=stat_own.device)
+    lib = native.lib(stat_own) if stat_own.dtype == torch.float32 else None
     for seg in part.segments[rank]:
         a = seg.flat_start - lo
         piece = bits[a:a + seg.numel]
         k = segment_k(seg.numel, density)
         if layout.excluded[seg.tensor] or k >= seg.numel:
             piece.fill_(True)
-        else:
+        elif lib is None or not _top_k_bits_native(lib, stat_own[a:a + seg.numel], k, piece):
             piece.index_fill_(0, top_k_indices(stat_own[a:a + seg.numel].abs(), k), True)
     return bits
 

@@ -1,0 +1,128 @@
+"""SCAPE's C loops for the CPU (``scape_cpu.c``), compiled on first use and cached.
+
+:func:`lib` returns the loaded library, or ``None`` where it cannot be used; callers then take
+the torch path, which is also the reference the C loops are tested against. What decides:
+
+- the tensors are on the CPU and ``kernels.host_reads_ok`` holds (the NCCL-rule tests and the
+  memory plan's fake-tensor trace switch it off: they run the static-size torch path);
+- ``SCAPE_NATIVE`` is not ``0`` (``SCAPE_NATIVE=0`` rules the C path out, e.g. to compare);
+- a C compiler (``$CC``, else ``cc``/``gcc``) builds the file: the build takes about a second
+  (no torch headers), is cached under ``$SCAPE_NATIVE_CACHE`` (default
+  ``~/.cache/scape_train/native``) by the source's hash, and is written atomically, so ranks
+  starting together do not race. A failed build warns once and the torch path runs.
+
+The loops are called through ``ctypes`` on the tensors' raw pointers; ctypes drops the GIL for
+the call, so a background collective keeps progressing. The callers check contiguity and dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).with_name("scape_cpu.c")
+_FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd",
+          "-std=c99"]
+_ENV = "SCAPE_NATIVE"
+_state: dict = {}
+
+_P, _I, _F, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+_SIGNATURES = {
+    "scape_mask_decode": (_I, [_I, _P, _P, _I, _P, _I, _P, _I]),
+    "scape_mask_encode": (_I, [_I, _P, _P, _P, _I]),
+    "scape_prepare_replicated": (_D, [_I, _P, _P, _P, _P, _P, _I, _P, _I, _F, _F]),
+    "scape_prepare_replicated_general": (_D, [_I, _P, _P, _P, _P, _F, _F]),
+    "scape_prepare_sharded": (_D, [_I, _P, _P, _P, _P, _P, _P, _I, _F, _F]),
+    "scape_gather": (None, [_I, _P, _I, _P, _P]),
+    "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _F, _F]),
+    "scape_adams": (None, [_P, _I, _I, _P, _P, _P, _I, _P, _F, ctypes.c_int, _F, _F, _F, _F,
+                           _F, _F, _F, _F, ctypes.c_int]),
+    "scape_set_momentum": (None, [_P, _I, _P, _I, _P, _I, _P]),
+    "scape_fill": (_D, [_P, _P, _I, _F]),
+    "scape_scatter_params": (None, [_P, _P, _I, _P]),
+    "scape_topk_bits": (_I, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
+}
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("SCAPE_NATIVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "scape_train" / "native"
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build() -> ctypes.CDLL | None:
+    if sys.byteorder != "little":
+        return None
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"scape_cpu_{key}.so"
+    if not out.exists():
+        cc = _compiler()
+        if cc is None:
+            raise RuntimeError("no C compiler found (set $CC, or install gcc)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"], capture_output=True,
+                               text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:2000]}")
+            os.replace(tmp, out)           # atomic: a rank never loads a half-written file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(out))
+    for name, (res, args) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def enabled() -> bool:
+    return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def lib(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The C library when it may run on ``tensors`` (all on the CPU), else ``None``."""
+    from ..kernels import host_reads_ok
+
+    if not enabled() or not all(host_reads_ok(t) for t in tensors):
+        return None
+    if "lib" not in _state:
+        try:
+            _state["lib"] = _build()
+        except Exception as exc:      # no compiler, a read-only home, ...: the torch path runs
+            warnings.warn(f"SCAPE's C loops are unavailable ({exc}); the torch path runs "
+                          f"instead (set {_ENV}=0 to silence this)", RuntimeWarning)
+            _state["lib"] = None
+    return _state["lib"]
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a C call (``None`` -> NULL); it must be contiguous."""
+    if t is None:
+        return None
+    assert t.is_contiguous(), "C loops take contiguous tensors"
+    return t.data_ptr()
+
+
+def table(rows: list[list[int]], width: int) -> torch.Tensor:
+    """An int64 table of ``width`` columns (kept alive by the caller across the call)."""
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, width) if rows else \
+        torch.zeros(0, width, dtype=torch.int64)
