@@ -174,11 +174,22 @@ class DeviceOpCounter:
         return sum(self.sync_sites.values())
 
     def __enter__(self) -> "DeviceOpCounter":
+        from .optim.scape import native    # SCAPE's C loops count themselves: no torch op
+
         self._modes = [_Function(self), _Dispatch(self)]
         for m in self._modes:
             m.__enter__()
+        native.counters.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        from .optim.scape import native
+
+        native.counters.remove(self)
         for m in reversed(self._modes):
             m.__exit__(*exc)
+
+    def add_native(self, name: str, nbytes: int) -> None:
+        """A C loop of SCAPE's CPU path (optim/scape/native): its bytes read and written."""
+        self.ops[f"native::{name}"] += 1
+        self.bytes_moved += nbytes

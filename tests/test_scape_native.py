@@ -21,7 +21,8 @@ from scape_train.optim.scape.mask_coding import MaskPlan
 from scape_train.optim.scape.masks import _top_k_bits_native, mask_counts, topk_own_mask
 from scape_train.optim.scape.partition import ParamLayout, build_partition
 
-from .test_scape_fused import _compare, _pair_run
+from ._optim_common import make, train_step
+from .test_scape_fused import _cfg, _compare, _pair_run
 
 LIB = native.lib(torch.zeros(1))
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the torch path runs")
@@ -181,3 +182,22 @@ def test_no_compiler_warns_once_and_trains_on_the_torch_path(tmp_path):
                        cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]),
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_device_op_counter_counts_the_c_loops_bytes():
+    """Benchmarks report bytes per parameter from DeviceOpCounter: the C loops, which dispatch
+    no torch op, count what they touch (here a fill of k positions: index, old value, write)."""
+    from scape_train.profiling import DeviceOpCounter
+
+    dst = torch.zeros(1000)
+    idx = torch.arange(0, 1000, 7)
+    with DeviceOpCounter() as ops:
+        LIB.scape_fill(native.ptr(dst), native.ptr(idx), idx.numel(), 0.0)
+    assert ops.ops["native::scape_fill"] == 1 and ops.bytes_moved == 16 * idx.numel()
+    s, w, _ = make(_cfg(density_warmup_steps=0))
+    train_step(s, w, 1, 0)
+    with DeviceOpCounter() as ops:
+        train_step(s, w, 2, 0)
+    assert {"native::scape_adams", "native::scape_mask_decode",
+            "native::scape_prepare_replicated"} <= set(ops.ops)
+    assert not native.counters           # the counter unregisters itself

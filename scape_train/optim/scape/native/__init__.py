@@ -53,6 +53,63 @@ _SIGNATURES = {
 }
 
 
+# What each loop reads and writes, in bytes, from its arguments (the counters of
+# ``profiling.DeviceOpCounter`` see no torch op for a C call): the benchmarks' bytes-per-parameter
+# figure counts the C path like the dispatched ops, by the elements each loop touches.
+def _i64s(address: int, n: int) -> list[int]:
+    return list((ctypes.c_int64 * n).from_address(address)) if n else []
+
+
+def _col_sum(tab: int, rows: int, width: int, col: int) -> int:
+    return sum(_i64s(tab, rows * width)[col::width])
+
+
+_TRAFFIC = {
+    # mask write (1 B per element), the indices (8 B per one), the gathered bytes read
+    "scape_mask_decode": lambda nseg, tab, buf, n, mask, total, idx, cap: total + 8 * cap + n,
+    # the owner's bits read, its shard written
+    "scape_mask_encode": lambda nseg, tab, bits, shard, n: _col_sum(tab, nseg, 8, 2) + n,
+    # g, e read, e written per element; at m's support idx, m, g, e read, e written
+    "scape_prepare_replicated": lambda nt, gtab, numels, e, m, pidx, kp, *_:
+        12 * sum(_i64s(numels, nt)) + 24 * kp,
+    "scape_prepare_replicated_general": lambda nt, gtab, numels, *_: 16 * sum(_i64s(numels, nt)),
+    "scape_prepare_sharded": lambda nt, gtab, numels, e, rho, m, pidx, kp, *_:
+        12 * sum(_i64s(numels, nt)) + 20 * kp,
+    "scape_gather": lambda k, *_: 16 * k,
+    "scape_ghat": lambda k, idx, base, b, rho, *_: (20 if rho is None else 28) * k,
+    "scape_adams": lambda idx, j0, base, ghat, m, ttab, nseg, *_:
+        28 * _col_sum(ttab, nseg, 4, 3) - 28 * _col_sum(ttab, nseg, 4, 2),
+    "scape_set_momentum": lambda m, base, z, kz, idx, k, v: 12 * kz + 16 * k,
+    "scape_fill": lambda dst, idx, k, v: 16 * k,
+    "scape_scatter_params": lambda idx, stab, nseg, v:
+        16 * (_col_sum(stab, nseg, 5, 3) - _col_sum(stab, nseg, 5, 2)),
+    # the sample, two passes over |c| (bits written in the second), the candidates
+    "scape_topk_bits": lambda c, n, k, smp, ssize, rank, bits, work, cap: 12 * ssize + 9 * n
+        + 8 * k,
+}
+counters: list = []          # DeviceOpCounters in effect (profiling.py registers them)
+
+
+class _Counted:
+    """The loaded library, each call counted by the active ``DeviceOpCounter`` s."""
+
+    def __init__(self, cdll: ctypes.CDLL):
+        self._cdll = cdll
+
+    def __getattr__(self, name: str):
+        fn, traffic = getattr(self._cdll, name), _TRAFFIC[name]
+
+        def call(*args):
+            if counters:
+                nbytes = traffic(*args)
+                for c in counters:
+                    c.add_native(name, nbytes)
+            return fn(*args)
+
+        setattr(self, name, call)
+        return call
+
+
 def _cache_dir() -> Path:
     env = os.environ.get("SCAPE_NATIVE_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "scape_train" / "native"
@@ -91,14 +148,15 @@ def _build() -> ctypes.CDLL | None:
     for name, (res, args) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
-    return lib
+    assert set(_TRAFFIC) == set(_SIGNATURES)
+    return _Counted(lib)
 
 
 def enabled() -> bool:
     return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def lib(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+def lib(*tensors: torch.Tensor) -> "_Counted | None":
     """The C library when it may run on ``tensors`` (all on the CPU), else ``None``."""
     from ..kernels import host_reads_ok
 
