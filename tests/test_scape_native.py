@@ -201,3 +201,21 @@ def test_device_op_counter_counts_the_c_loops_bytes():
     assert {"native::scape_adams", "native::scape_mask_decode",
             "native::scape_prepare_replicated"} <= set(ops.ops)
     assert not native.counters           # the counter unregisters itself
+
+
+def test_decode_reuses_only_buffers_nothing_holds():
+    plan, gathered, _, _ = _ef_plan_and_bytes()
+    cpu = torch.device("cpu")
+    m1, i1 = plan.decode_with_indices(gathered, cpu)
+    m2, i2 = plan.decode_with_indices(gathered, cpu)          # m1 is held: a new pair
+    assert m1.data_ptr() != m2.data_ptr() and i1.data_ptr() != i2.data_ptr()
+    view = m1[3:]                                              # a view holds m1's storage
+    ptr1 = m1.data_ptr()
+    del m1, i1
+    m3, i3 = plan.decode_with_indices(gathered, cpu)
+    assert m3.data_ptr() != ptr1
+    del view, m3, i3
+    m4, _ = plan.decode_with_indices(gathered, cpu)            # now a pooled pair is free
+    assert m4.data_ptr() == ptr1 and m4.data_ptr() in {g[0].data_ptr()
+                                                       for g in plan._pool._groups}
+    assert torch.equal(m4, m2)

@@ -420,6 +420,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self._init_fused()
         self._pidx_own: torch.Tensor | None = None
         self._x_sq: float | None = None     # Σ x² from the C prepare
+        self._cand_pool = native.BufferPool(1)  # c^(o), read by the top-k, then free
 
     def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
         """``ε ← x = (1-β1)·g + ε`` (``g``: per-tensor gradients, consumed), ``ρ ← base``;
@@ -438,7 +439,8 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
                 native.ptr(self.rho), native.ptr(self.m), native.ptr(p), p.numel(), beta1,
                 1.0 - beta1)
             self._x = eps_
-            return torch.add(self.rho, eps_[self.lo:self.hi])
+            (cand,) = self._cand_pool.get(((self.hi - self.lo,), torch.float32))
+            return torch.add(self.rho, eps_[self.lo:self.hi], out=cand)
         self._add_scaled_grads(eps_, g)                      # ε ← x
         if self._pidx is None:
             self.rho = torch.mul(self.m, beta1).add_(self.rho)

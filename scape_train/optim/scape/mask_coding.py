@@ -240,10 +240,12 @@ class MaskPlan:
         self.shard_bytes = max(self.rank_bytes)    # 0: every segment all ones, nothing to send
         self._tables: dict = {}
         self._ef: dict = {}          # per device: the Elias-Fano decode tables (_ef_tables)
+        self._pool = native.BufferPool(2)   # the C decode's (mask, indices) pairs
 
     def drop_decode_tables(self) -> None:
-        """Free the per-one decode tables (a plan no longer in use)."""
+        """Free the per-one decode tables and buffers (a plan no longer in use)."""
         self._ef = {}
+        self._pool = native.BufferPool(2)
 
     def kinds(self) -> dict[str, int]:
         """How many segments use each coding (for reports)."""
@@ -392,8 +394,8 @@ class MaskPlan:
                                       sum(s.numel if s.kind == ALL else s.k
                                           for codes in self.segs for s in codes))
         tab, ones = self._tables["native"]
-        mask = torch.empty(self.total, dtype=torch.bool, device=device)
-        idx = torch.empty(ones, dtype=torch.int64, device=device)
+        # the mask of two steps ago is free again: no fresh 50 MB block (page faults) per step
+        mask, idx = self._pool.get(((self.total,), torch.bool), ((ones,), torch.int64))
         n = 0 if gathered is None else gathered.numel()
         got = lib.scape_mask_decode(tab.shape[0], native.ptr(tab), native.ptr(gathered), n,
                                     native.ptr(mask), self.total, native.ptr(idx), ones)

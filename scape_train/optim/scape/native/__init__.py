@@ -184,3 +184,35 @@ def table(rows: list[list[int]], width: int) -> torch.Tensor:
     """An int64 table of ``width`` columns (kept alive by the caller across the call)."""
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, width) if rows else \
         torch.zeros(0, width, dtype=torch.int64)
+
+
+class BufferPool:
+    """Reusable CPU output tensors for a step's large temporaries. On the CPU a fresh block over
+    32 MB is mmapped anew at each allocation, a page fault per 4 KB -- for a 50 MB mask more
+    than the C loop that fills it. ``get`` returns a pooled group that nothing references any
+    more (no other Python name, no view of its storage), else a new one (pooled while there is
+    room): the caller gets a tensor it may overwrite, whoever kept an older one keeps it."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._groups: list[tuple[torch.Tensor, ...]] = []
+
+    def get(self, *specs: tuple[tuple[int, ...], torch.dtype]) -> tuple[torch.Tensor, ...]:
+        for group in self._groups:
+            if (len(group) == len(specs)
+                    and all(t.shape == shape and t.dtype == dtype
+                            for t, (shape, dtype) in zip(group, specs))
+                    and not any(_held_elsewhere(group, i) for i in range(len(group)))):
+                return group
+        group = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in specs)
+        if len(self._groups) < self.size:
+            self._groups.append(group)
+        return group
+
+
+def _held_elsewhere(group: tuple, i: int) -> bool:
+    """Whether ``group[i]`` is referenced beyond the tuple: by another Python name (the tuple's
+    slot and the call's argument make 2) or by a view of its storage (one tensor, plus the
+    temporary storage object, make 2)."""
+    return (sys.getrefcount(group[i]) > 2
+            or torch._C._storage_Use_Count(group[i].untyped_storage()._cdata) > 2)
