@@ -140,7 +140,7 @@ def calibration(docs: Path) -> str | None:
             pred = comp + nbytes * 8 / rate
             what = f"{nbytes / 1e6:.2f}"
         else:
-            b = scape_step_bytes(layout, 4, density, mask_coding="bitmap")   # as measured
+            b = scape_step_bytes(layout, 4, density, mask_coding="auto")     # as measured
             unl = summ.get(f"none/{opt}", {}).get("step", {}).get("median") or comp
             fwd_bwd = summ.get(f"none/{opt}", {}).get("fwd_bwd", {}).get("median") or 0.0
             pred = unl + b.payload * 8 / rate + max(0.0, b.mask * 8 / rate - fwd_bwd)
