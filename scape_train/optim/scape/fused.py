@@ -156,18 +156,22 @@ class _FusedMixin:
                 for t, a, b in segs if a >= lo and b <= hi]
         return native.table(rows, 4 if src is None else 5)
 
-    def _native_adams(self, lib, idx, j0: int, base: int, ghat: torch.Tensor, m: torch.Tensor,
-                      ttab: torch.Tensor, out: torch.Tensor | None, coef, lr: float,
-                      step: int) -> None:
-        """:meth:`_adams_k` in C over the index list's ``[j0, j0 + len(ghat))``: θ updated in
-        place (or into ``out``); ``ghat`` becomes the new momentum."""
+    def _native_adams(self, lib, idx, j0: int, k: int, base: int, ghat: torch.Tensor,
+                      m: torch.Tensor, old_support: torch.Tensor | None, ttab: torch.Tensor,
+                      out: torch.Tensor | None, coef, lr: float, step: int) -> None:
+        """:meth:`_adams_k` and :meth:`_set_momentum` in C over the index list's
+        ``[j0, j0 + k)``: θ updated in place (or into ``out``); m zeroed on ``old_support``
+        (indices into ``m``; ``None``: everywhere) and set to the new momentum at the mask."""
         cfg = self.cfg
         beta1, beta2 = cfg.betas
         bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
         bias = {"adam": 1, "official": 2}.get(cfg.bias_correction, 0)
         step_size = lr / bc1 if bias else lr
-        lib.scape_adams(native.ptr(idx), j0, base, native.ptr(ghat), native.ptr(m),
-                        native.ptr(ttab), ttab.shape[0], native.ptr(out),
+        work = torch.empty(k, dtype=torch.float32)
+        kz = -1 if old_support is None else old_support.numel()
+        lib.scape_adams(native.ptr(idx), j0, k, base, native.ptr(ghat), native.ptr(m),
+                        m.numel(), native.ptr(old_support), kz, native.ptr(ttab),
+                        ttab.shape[0], native.ptr(out), native.ptr(work),
                         1.0 if coef is None else float(coef), int(coef is not None), beta1,
                         beta2, 1.0 - beta1, 1.0 - beta2, bc1, math.sqrt(bc2), cfg.eps,
                         -step_size, bias)
@@ -374,13 +378,8 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         mi = self._index(idx, counts)
         segs = mi.segs
         self._decay(lr)
-        self._native_adams(lib, idx, 0, 0, payload, m, self._param_table(segs, 0, k), None,
-                           coef, lr, step)                     # payload becomes m_new
-        if self._pidx is None:
-            m.zero_()
-        lib.scape_set_momentum(native.ptr(m), 0, native.ptr(self._pidx),
-                               0 if self._pidx is None else self._pidx.numel(),
-                               native.ptr(idx), k, native.ptr(payload))
+        self._native_adams(lib, idx, 0, k, 0, payload, m, self._pidx,
+                           self._param_table(segs, 0, k), None, coef, lr, step)  # and m
         self._pidx = idx
         self._prev_local = mi
         self._idx, self._zero_pending = idx, True
@@ -554,9 +553,13 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self._decay(lr)
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
         if k_own:
-            self._native_adams(lib, idx, s_own, lo, recv, m,
+            self._native_adams(lib, idx, s_own, k_own, lo, recv, m, self._pidx_own,
                                self._param_table(segs, s_own, s_own + k_own), shard, coef, lr,
-                               step)                          # recv[:k] = m_new
+                               step)                          # and m (own range)
+        elif self._pidx_own is None:
+            m.zero_()
+        else:
+            m.index_fill_(0, self._pidx_own, 0.0)
         gathered = torch.empty(width * world, dtype=torch.float32, device=x.device)
         comm.all_gather(gathered, shard, kind="params")
 
@@ -567,13 +570,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         stab = self._param_table(segs, 0, idx.numel(), src)
         lib.scape_scatter_params(native.ptr(idx), native.ptr(stab), stab.shape[0],
                                  native.ptr(gathered))
-        own_local = own - lo
-        if self._pidx is None:
-            m.zero_()
-        lib.scape_set_momentum(native.ptr(m), 0, native.ptr(self._pidx_own),
-                               0 if self._pidx is None else self._pidx_own.numel(),
-                               native.ptr(own_local), k_own, native.ptr(recv))
-        self._pidx, self._pidx_own = idx, own_local
+        self._pidx, self._pidx_own = idx, own - lo
         self._prev_local = mi
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(sum(counts)),

@@ -44,9 +44,9 @@ _SIGNATURES = {
     "scape_prepare_sharded": (_D, [_I, _P, _P, _P, _P, _P, _P, _I, _F, _F]),
     "scape_gather": (None, [_I, _P, _I, _P, _P]),
     "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _F, _F]),
-    "scape_adams": (None, [_P, _I, _I, _P, _P, _P, _I, _P, _F, ctypes.c_int, _F, _F, _F, _F,
-                           _F, _F, _F, _F, ctypes.c_int]),
-    "scape_set_momentum": (None, [_P, _I, _P, _I, _P, _I, _P]),
+    "scape_adams": (None, [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _F,
+                           ctypes.c_int, _F, _F, _F, _F, _F, _F, _F, _F, ctypes.c_int]),
+    "scape_count_at": (_I, [_P, _P, _I]),
     "scape_fill": (_D, [_P, _P, _I, _F]),
     "scape_scatter_params": (None, [_P, _P, _I, _P]),
     "scape_topk_bits": (_I, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
@@ -77,9 +77,11 @@ _TRAFFIC = {
         12 * sum(_i64s(numels, nt)) + 20 * kp,
     "scape_gather": lambda k, *_: 16 * k,
     "scape_ghat": lambda k, idx, base, b, rho, *_: (20 if rho is None else 28) * k,
-    "scape_adams": lambda idx, j0, base, ghat, m, ttab, nseg, *_:
-        28 * _col_sum(ttab, nseg, 4, 3) - 28 * _col_sum(ttab, nseg, 4, 2),
-    "scape_set_momentum": lambda m, base, z, kz, idx, k, v: 12 * kz + 16 * k,
+    # idx, m gathered, ĝ read and written, θ read and written, the update written and read, m
+    # written; m zeroed at its old support (all of m when unknown)
+    "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, *_:
+        40 * k + (4 * mlen if kz < 0 else 12 * kz),
+    "scape_count_at": lambda mask, idx, k: 9 * k,
     "scape_fill": lambda dst, idx, k, v: 16 * k,
     "scape_scatter_params": lambda idx, stab, nseg, v:
         16 * (_col_sum(stab, nseg, 5, 3) - _col_sum(stab, nseg, 5, 2)),

@@ -279,47 +279,58 @@ double scape_ghat(i64 k, const i64 *idx, i64 base, float *b, float *rho, const f
  * θ: parameters by segment (``ttab``: 4 int64 per segment: pointer, flat offset, a, b, over
  * the index list), read and, when ``out`` is NULL, written back; else the new θ goes to
  * out[j - j0] (a sharded owner's contiguous shard). ``ghat`` holds index-list entries
- * [j0, j0 + k); ``m`` is indexed by flat index - ``base``. ``bias``: 0 none, 1 adam, 2 official. */
-void scape_adams(const i64 *idx, i64 j0, i64 base, float *ghat, const float *m, const i64 *ttab,
-                 i64 nseg, float *out, float coef, int clip, float beta1, float beta2,
-                 float omb1, float omb2, float bc1, float sqrt_bc2, float eps, float ns,
-                 int bias) {
+ * [j0, j0 + k); ``m`` is indexed by flat index - ``base``. ``bias``: 0 none, 1 adam, 2 official.
+ * The momentum is set here too: m ← 0 on ``zidx`` (or everywhere, kz < 0), m[i] ← m'.
+ * ``work``: room for k floats. Loops: gather m, the arithmetic on contiguous arrays, then θ by
+ * segment. */
+void scape_adams(const i64 *idx, i64 j0, i64 k, i64 base, float *ghat, float *m, i64 mlen,
+                 const i64 *zidx, i64 kz, const i64 *ttab, i64 nseg, float *out, float *work,
+                 float coef, int clip, float beta1, float beta2, float omb1, float omb2,
+                 float bc1, float sqrt_bc2, float eps, float ns, int bias) {
+    const i64 *ix = idx + j0;
+    for (i64 j = 0; j < k; j++) work[j] = m[ix[j] - base];
+    /* the old momentum is read: m <- 0 off the new mask (on m's old support ``zidx``, indices
+     * into m; all of m when its support is unknown, kz < 0), the new values land below */
+    if (kz < 0) memset(m, 0, sizeof(float) * (size_t)mlen);
+    for (i64 j = 0; j < kz; j++) m[zidx[j]] = 0.0f;
+    for (i64 j = 0; j < k; j++) {
+        float g = ghat[j];
+        if (clip) g = g * coef;
+        float mc = work[j];
+        float prev = bias == 2 ? mc / bc1 : mc;
+        float v = prev * prev;
+        v = v * beta2;
+        float gg = omb2 * g;
+        gg = gg * g;
+        v = v + gg;
+        float mn = mc * beta1;
+        float add = omb1 * g;
+        mn = mn + add;
+        float den = sqrtf(v);
+        if (bias == 1) den = den / sqrt_bc2;
+        den = den + eps;
+        float upd = ns * mn;
+        work[j] = upd / den;
+        ghat[j] = mn;
+    }
     for (i64 q = 0; q < nseg; q++) {
         const i64 *r = ttab + 4 * q;
         float *theta = (float *)(intptr_t)r[0];
         i64 off = r[1];
         for (i64 j = r[2]; j < r[3]; j++) {
-            i64 i = idx[j];
-            float g = ghat[j - j0];
-            if (clip) g = g * coef;
-            float mc = m[i - base];
-            float prev = bias == 2 ? mc / bc1 : mc;
-            float v = prev * prev;
-            v = v * beta2;
-            float gg = omb2 * g;
-            gg = gg * g;
-            v = v + gg;
-            float mn = mc * beta1;
-            float add = omb1 * g;
-            mn = mn + add;
-            float den = sqrtf(v);
-            if (bias == 1) den = den / sqrt_bc2;
-            den = den + eps;
-            float upd = ns * mn;
-            upd = upd / den;
-            float *th = theta + (i - off);
-            float nt = *th + upd;
+            float *th = theta + (idx[j] - off);
+            float nt = *th + work[j - j0];
             if (out) out[j - j0] = nt; else *th = nt;
-            ghat[j - j0] = mn;
+            m[idx[j] - base] = ghat[j - j0];
         }
     }
 }
 
-/* m ← 0 at ``zidx`` (m's old support), then m[idx[j] - base] = vals[j] */
-void scape_set_momentum(float *m, i64 base, const i64 *zidx, i64 kz, const i64 *idx, i64 k,
-                        const float *vals) {
-    for (i64 j = 0; j < kz; j++) m[zidx[j] - base] = 0.0f;
-    for (i64 j = 0; j < k; j++) m[idx[j] - base] = vals[j];
+/* how many of ``idx``'s positions are set in the bool ``mask`` (the masks' overlap metric) */
+i64 scape_count_at(const u8 *mask, const i64 *idx, i64 k) {
+    i64 n = 0;
+    for (i64 j = 0; j < k; j++) n += mask[idx[j]] != 0;
+    return n;
 }
 
 /* dst[idx[j]] = value (e[M] = 0: the residual fold); returns Σ of the old values' squares,
@@ -369,12 +380,49 @@ static float select_desc(float *v, i64 n, i64 r) {
     return v[r];
 }
 
+/* The k-th largest of the non-negative, non-NaN ``v[0:n]`` (1 <= k <= n) by radix selection on
+ * the float's bits (for non-negative floats their order is the unsigned integers' order): three
+ * rounds of an 11/11/10-bit histogram, each keeping (compacted in place) the values of the bin
+ * that holds the k-th. ``*gt``: how many values are strictly larger. Destroys ``v``. */
+static float radix_select_desc(float *v, i64 n, i64 k, i64 *gt) {
+    static const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};
+    i64 hist[2048];
+    i64 above = 0, need = k;
+    for (int level = 0; level < 3; level++) {
+        const int sh = shift[level], nb = 1 << width[level];
+        const uint32_t bm = (uint32_t)nb - 1;
+        memset(hist, 0, sizeof(i64) * (size_t)nb);
+        for (i64 i = 0; i < n; i++) {
+            uint32_t b;
+            memcpy(&b, v + i, 4);
+            hist[(b >> sh) & bm]++;
+        }
+        int bin = nb - 1;
+        i64 cum = 0;
+        for (; bin > 0; bin--) {
+            if (cum + hist[bin] >= need) break;
+            cum += hist[bin];
+        }
+        above += cum;
+        need -= cum;
+        i64 w = 0;
+        for (i64 i = 0; i < n; i++) {
+            uint32_t b;
+            memcpy(&b, v + i, 4);
+            if (((b >> sh) & bm) == (uint32_t)bin) v[w++] = v[i];
+        }
+        n = w;
+    }
+    *gt = above;
+    return v[0];
+}
+
 /* Top-k of |c| over one segment of ``n`` entries, as bits: exactly the k largest |c| (ties at
  * the k-th value broken towards lower indices), what torch.topk selects as a set.
  *  1. threshold: the ``rank``-th largest |c| of a fixed sample (``sample``: ``ssize`` indices)
  *     -- about 1.25k entries of the segment lie at or above it;
  *  2. one pass copies those entries' |c| into ``work`` (room for ``cap``), the k-th largest of
- *     them is the segment's k-th largest;
+ *     them (radix selection) is the segment's k-th largest;
  *  3. one pass writes every bit.
  * Returns 0, or -1 when the sample's threshold kept fewer than k or more than ``cap`` entries
  * (or a NaN): nothing written, the caller takes torch.topk. */
@@ -395,9 +443,8 @@ i64 scape_topk_bits(const float *c, i64 n, i64 k, const i64 *sample, i64 ssize, 
         }
     }
     if (m < k) return -1;
-    float kth = select_desc(work, m, k - 1);
-    i64 gt = 0;
-    for (i64 j = 0; j < m; j++) gt += work[j] > kth;
+    i64 gt;
+    float kth = radix_select_desc(work, m, k, &gt);
     i64 eq_left = k - gt;
     for (i64 i = 0; i < n; i++) {
         float v = fabsf(c[i]);
