@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 PIP := $(VENV)/bin/python -m pip
 
-.PHONY: setup test test-fast train bench bench-cpu bench-net clean
+.PHONY: setup test test-slow test-fast train bench bench-cpu bench-net clean
 
 # Creates .venv and installs the package with exact pins (constraints.txt). torch is pinned to
 # 2.13.0: an open range would pull a multi-GB CUDA build onto CPU machines. The same files install
@@ -14,9 +14,14 @@ setup:
 	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
 	@$(VENV)/bin/python -c "import torch, scape_train; print('scape_train ready: torch', torch.__version__)"
 
-# The whole suite; under 15 minutes on 2 CPU cores.
+# `test`: everything not marked slow, under 10 minutes on 2 quiet CPU cores. `test-slow`: the
+# multi-minute tests (every paper experiment end to end, the larger world sizes and variants);
+# together they are the whole suite, and `.ci/run` runs both.
 test:
-	$(VENV)/bin/python -m pytest -q --timeout=900 tests
+	$(VENV)/bin/python -m pytest -q --timeout=900 -m "not slow" tests
+
+test-slow:
+	$(VENV)/bin/python -m pytest -q --timeout=900 -m slow tests
 
 test-fast:
 	$(VENV)/bin/python -m pytest -q -m "not slow and not netns" tests

@@ -42,6 +42,7 @@ def _counted(rank: int, world: int) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_analytic_bytes_equal_counted_bytes_of_real_steps():
     world = 3
     results = run_distributed(_counted, world_size=world)

@@ -45,7 +45,7 @@ def single_process_reference(name):
     return out
 
 
-@pytest.mark.parametrize("name", ["adamw", "adams"])
+@pytest.mark.parametrize("name", ["adamw", pytest.param("adams", marks=pytest.mark.slow)])
 def test_ddp_equals_single_process_on_concatenated_batch(name):
     results = run_distributed(_ddp_worker, WORLD, (name,))
     ref = single_process_reference(name)

@@ -159,6 +159,7 @@ def _dp_rank(rank: int, world: int, shared_data: str, out_dir: str) -> dict:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_data_parallel_two_ranks_equal_one(tok, shared_data, tmp_path):
     from tests._dist import run_distributed
     from scape_train.eval.runner import evaluate_downstream

@@ -15,6 +15,7 @@ from tests.helpers import compose_config
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_end_of_training_equals_standalone(shared_data, tmp_path):
     from scape_train.train import run
 

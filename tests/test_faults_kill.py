@@ -71,6 +71,7 @@ def _check_kills(outcomes, seed):
     assert any(o.tmp_left for o in killed), f"seed {seed}: no kill landed mid-write: {outcomes}"
 
 
+@pytest.mark.slow
 def test_sigkill_dense_resumes_bit_for_bit(tmp_path, cache):
     seed = random.randrange(1 << 30)
     extra = [*DENSE, "trainer.checkpoint_every=2"]
@@ -80,6 +81,7 @@ def test_sigkill_dense_resumes_bit_for_bit(tmp_path, cache):
     fj.assert_same_params(reference(tmp_path, cache, DENSE), fj.final_params(tmp_path / "killed"))
 
 
+@pytest.mark.slow
 def test_sigkill_scape_resumes_bit_for_bit(tmp_path, cache):
     seed = random.randrange(1 << 30)
     extra = [*SCAPE, "trainer.checkpoint_every=1"]

@@ -62,6 +62,7 @@ def check_clear_error(proc) -> None:
     assert "Traceback" not in text, text[-3000:]
 
 
+@pytest.mark.slow
 def test_one_of_four_ranks_killed_survivors_exit_clearly(tmp_path, cache):
     procs = start_ranks(tmp_path / "run", cache, 4, tmp_path / "logs")
     try:

@@ -108,7 +108,7 @@ def test_diloco_follows_the_spec_equations_and_counts_outer_bytes():
             assert drifts[t] > 0
 
 
-@pytest.mark.parametrize("topology", ["2peer", "1peer"])
+@pytest.mark.parametrize("topology", ["2peer", pytest.param("1peer", marks=pytest.mark.slow)])
 def test_gasloc_follows_the_spec_preserves_the_mean_and_only_gossips(topology):
     n, rounds, eta, gamma = 4, 5, 0.7, 0.9
     res = run_distributed(_outer_worker, n, ("gasloc", rounds, eta, gamma, topology, (2,)))
@@ -131,6 +131,7 @@ def test_gasloc_follows_the_spec_preserves_the_mean_and_only_gossips(topology):
     assert (replicas - replicas.mean(0)).abs().max() > 0      # sparse graph: replicas differ
 
 
+@pytest.mark.slow
 def test_gamma0_eta1_is_the_plain_gossip_average_of_end_points():
     n, rounds = 4, 3
     res = run_distributed(_outer_worker, n, ("gasloc", rounds, 1.0, 0.0, "2peer", ()))
@@ -217,7 +218,9 @@ def _sent_kinds(stats: dict) -> set[str]:
             if k.endswith("_sent_bytes") and k != "comm/sent_bytes"}
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 3,
+                               pytest.param(4, marks=pytest.mark.slow),
+                               pytest.param(5, marks=pytest.mark.slow)])
 def test_complete_graph_gasloc_is_diloco_bit_for_bit(n):
     # n = 3 and 5: 1/n is not exact in binary; "own": each rank its own data, so the drifts differ
     res = run_distributed(_complete_graph_worker, n)
@@ -358,6 +361,7 @@ def _trainer_worker(rank, world, run_dir, tok_cache):
     return summary["step"], summary["val_loss"], summary.get("checkpoint")
 
 
+@pytest.mark.slow
 def test_trainer_runs_gasloc_on_two_ranks(tmp_path):
     res = run_distributed(_trainer_worker, 2, (str(tmp_path), str(tmp_path / "tok")))
     assert res[0] == res[1]
@@ -380,6 +384,7 @@ def _hetero_trainer_worker(rank, world, run_dir, tok_cache, resume):
     return summary.get("checkpoint"), summary.get("val_loss")
 
 
+@pytest.mark.slow
 def test_trainer_with_per_worker_inner_steps_checkpoints_and_resumes(tmp_path):
     tok = str(tmp_path / "tok")
     first = run_distributed(_hetero_trainer_worker, 2, (str(tmp_path), tok, False))

@@ -186,6 +186,7 @@ def test_entry_checkpoint_export_and_prompts_file(trained, tmp_path):
         parse_args(["prompt=x"])
 
 
+@pytest.mark.slow
 def test_module_entry_streams(trained):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(

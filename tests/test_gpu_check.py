@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO
 
 
@@ -19,6 +21,7 @@ def test_dry_run_lists_every_check_and_runs_nothing(tmp_path):
                      "train_throughput", "memory_plan", "overlap_trace"]
 
 
+@pytest.mark.slow
 def test_smoke_runs_the_cpu_capable_checks(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--smoke",
                            "--out", str(tmp_path), "--only",

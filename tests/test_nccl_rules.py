@@ -104,12 +104,13 @@ SCAPE = dict(name="scape", density=0.1, density_warmup_steps=3, clip_grad=0.5)
 @pytest.mark.parametrize("cfg_kw", [
     SCAPE,
     {**SCAPE, "sharded": True, "partitioner": "flat"},
-    {**SCAPE, "sharded": True, "partitioner": "tensor"},
-    {**SCAPE, "payload_dtype": "fp8_e4m3", "mask_coding": "elias_fano"},
-    {**SCAPE, "sharded": True, "partitioner": "flat", "payload_dtype": "bf16",
-     "mask_coding": "indices"},
-    dict(name="adams", clip_grad=0.5),
-    dict(name="adamw", clip_grad=0.5),
+    pytest.param({**SCAPE, "sharded": True, "partitioner": "tensor"}, marks=pytest.mark.slow),
+    pytest.param({**SCAPE, "payload_dtype": "fp8_e4m3", "mask_coding": "elias_fano"},
+                 marks=pytest.mark.slow),
+    pytest.param({**SCAPE, "sharded": True, "partitioner": "flat", "payload_dtype": "bf16",
+                  "mask_coding": "indices"}, marks=pytest.mark.slow),
+    pytest.param(dict(name="adams", clip_grad=0.5), marks=pytest.mark.slow),
+    pytest.param(dict(name="adamw", clip_grad=0.5), marks=pytest.mark.slow),
 ], ids=["scape-replicated", "scape-sharded-flat", "scape-sharded-tensor", "scape-fp8-ef",
         "scape-sharded-bf16-indices", "adams", "adamw"])
 def test_optimizer_step_reads_nothing_back_from_the_device(cfg_kw):

@@ -53,6 +53,7 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+@pytest.mark.slow
 def test_plan_predicts_the_measured_cpu_peak_within_15_percent():
     # glibc's dynamic mmap threshold would keep freed sub-32 MiB tensors in its heap (the margin's
     # business, devices.py); a fixed threshold makes the resident peak follow the tensors.
@@ -206,6 +207,7 @@ def test_the_closed_form_bound_covers_the_trace(overrides):
 H100_AT_8 = ["plan.device=h100-80gb", "plan.world_size=8"]
 
 
+@pytest.mark.slow
 def test_llama500m_s99_before_the_plan_does_not_fit_an_h100_and_the_cli_names_the_fix():
     old = ["+experiment=llama500m_s99", "trainer.activation_checkpointing=false",
            "trainer.micro_batch_size=16"]
@@ -232,6 +234,7 @@ PAPER = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml")
                if not p.stem.startswith("tiny_"))
 
 
+@pytest.mark.slow
 def test_every_paper_experiment_fits_an_h100_at_world_8():
     h100 = resolve_device("h100-80gb")
     too_big = {}

@@ -62,7 +62,8 @@ def _dense_equiv_worker(rank, world, clip, variant):
     return out
 
 
-@pytest.mark.parametrize("world,clip,variant", [(2, 0.05, "adam"), (3, 0.0, "official")])
+@pytest.mark.parametrize("world,clip,variant", [(2, 0.05, "adam"),
+                                                 pytest.param(3, 0.0, "official", marks=pytest.mark.slow)])
 def test_density_one_equals_dense_adams(world, clip, variant):
     results = run_distributed(_dense_equiv_worker, world, (clip, variant))
     for steps in results:
@@ -107,7 +108,8 @@ def _sharded_worker(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_sharded_equals_replicated(world):
     results = run_distributed(_sharded_worker, world)
     for partitioner in ("tensor", "flat"):

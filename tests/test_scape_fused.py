@@ -117,8 +117,9 @@ def _dist_worker(rank, world, sharded, partitioner, coding):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world,sharded,partitioner,coding", [
-    (2, False, "tensor", "auto"), (3, True, "flat", "elias_fano"), (4, True, "tensor", "auto"),
-    (3, False, "flat", "elias_fano")])
+    (2, False, "tensor", "auto"), (3, True, "flat", "elias_fano"),
+    pytest.param(4, True, "tensor", "auto", marks=pytest.mark.slow),
+    pytest.param(3, False, "flat", "elias_fano", marks=pytest.mark.slow)])
 def test_fused_equals_reference_distributed(world, sharded, partitioner, coding):
     for runs in run_distributed(_dist_worker, world, (sharded, partitioner, coding)):
         _compare(runs)

@@ -104,10 +104,14 @@ def _smoke_jobs(rank, world, names, root, cache):
     return out
 
 
+def _world_of(name: str, root, cache: str) -> int:
+    return world_for(compose_config(overrides(name, root, cache)))
+
+
 def _by_world(root: Path, cache: str) -> dict[int, list[str]]:
     groups: dict[int, list[str]] = {}
     for name in PAPER:
-        groups.setdefault(world_for(compose_config(overrides(name, root, cache))), []).append(name)
+        groups.setdefault(_world_of(name, root, cache), []).append(name)
     return groups
 
 
@@ -115,7 +119,23 @@ def _by_world(root: Path, cache: str) -> dict[int, list[str]]:
 @pytest.mark.parametrize("world", [1, 2, 3], ids=lambda w: f"{w}rank")
 def test_every_paper_experiment_runs_to_its_end(world, tmp_path, cache):
     """~1 minute per world size on 2 CPU cores (the 2- and 3-rank groups run 8 and 6 experiments)."""
-    names = _by_world(tmp_path, cache).get(world, [])
+    run_and_check(world, _by_world(tmp_path, cache).get(world, []), tmp_path, cache)
+
+
+# Not slow: one experiment of a kind the slow test groups by world, beside the SCAPE Llama run of
+# test_one_experiment_end_to_end: GPT with dense AdamS on one process, GASLoC (Llama, AdamW inner
+# steps) on 2 real ranks.
+REPRESENTATIVE = {1: ["gpt345m_adams"], 2: ["gasloc_1peer_134m_h30"]}
+
+
+@pytest.mark.parametrize("world", sorted(REPRESENTATIVE), ids=lambda w: f"{w}rank")
+def test_one_experiment_per_world_runs_to_its_end(world, tmp_path, cache):
+    names = REPRESENTATIVE[world]
+    assert all(_world_of(name, tmp_path, cache) == world for name in names)
+    run_and_check(world, names, tmp_path, cache)
+
+
+def run_and_check(world: int, names: list[str], tmp_path: Path, cache: str) -> None:
     assert names
     if world == 1:
         results = _smoke_jobs(0, 1, names, str(tmp_path), cache)

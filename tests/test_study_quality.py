@@ -169,6 +169,7 @@ def test_report_without_data_says_not_run(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_tiny_study_runs_two_optimizers_and_skips_finished_runs(tmp_path, capsys, monkeypatch):
     args = ["--shape", "tiny", "--ranks", "2", "--main-horizon", "2", "--horizons", "2",
             "--seeds", "1", "--lrs", "0.003", "--optimizers", "adams", "scape99",

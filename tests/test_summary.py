@@ -94,6 +94,7 @@ def _ddp(rank, world, root, tok):
     run(job(root, tok, "trainer.max_steps=2", "trainer.global_batch_size=16", "logging.wandb.mode=disabled"))
 
 
+@pytest.mark.slow
 def test_printed_once_by_rank_zero(tmp_path, tok, capfd):
     run_distributed(_ddp, 2, (str(tmp_path), tok))
     out = capfd.readouterr().out

@@ -150,7 +150,8 @@ def _scape_resume_job(rank, world, root, tok_cache, extra):
 
 
 @pytest.mark.parametrize("extra", [
-    [], ["optimizer.sharded=true", "optimizer.partitioner=flat"],
+    pytest.param([], marks=pytest.mark.slow),
+    pytest.param(["optimizer.sharded=true", "optimizer.partitioner=flat"], marks=pytest.mark.slow),
     # the wire format's owner-range update residual goes through the checkpoint's shard files
     ["optimizer.sharded=true", "optimizer.partitioner=flat", "optimizer.payload_dtype=bf16",
      "optimizer.mask_coding=indices"]], ids=["replicated", "sharded", "sharded-bf16-indices"])
