@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,7 +180,7 @@ def test_no_compiler_warns_once_and_trains_on_the_torch_path(tmp_path):
     env = {"PATH": "/nonexistent", "CC": "/nonexistent/cc",
            "SCAPE_NATIVE_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]),
+                       cwd=str(Path(__file__).resolve().parents[1]),
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 

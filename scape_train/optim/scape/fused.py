@@ -51,6 +51,13 @@ from .sharded import ShardedScape
 FUSED_MAX_FRACTION = 0.5
 
 
+def _gathered_at(a: int, starts: list[int], counts: list[int], width: int) -> int:
+    """Where index-list entry ``a`` sits in the parameter all-gather: owners' shards are
+    ``width`` apart, owner r's values start at its ``starts[r]``-th index."""
+    r = max(q for q in range(len(starts)) if starts[q] <= a and counts[q])
+    return r * width + a - starts[r]
+
+
 class _MaskIndex:
     """A mask's sorted flat indices, cut by the plan's segments ``(tensor, a, b)``; the
     per-tensor indices (flat minus the tensor's offset) are computed when a torch op needs
@@ -84,6 +91,7 @@ class _FusedMixin:
             if wd != 0.0:
                 by_wd.setdefault(wd, []).append(i)
         self._decay_groups = list(by_wd.items())
+        self._numels = torch.tensor(lay.numels, dtype=torch.int64)   # for the C prepare
 
     def select_path(self, k: int) -> bool:
         """The fused path for a step whose mask has ``k`` ones, when it is the cheaper one: its
@@ -145,7 +153,7 @@ class _FusedMixin:
         """(pointer, flat offset) per tensor, and the numels: where the C prepare reads g."""
         offs = self.layout.offsets
         gtab = native.table([[g.data_ptr(), offs[i]] for i, g in enumerate(grads)], 2)
-        return gtab, torch.tensor(self.layout.numels, dtype=torch.int64)
+        return gtab, self._numels
 
     def _param_table(self, segs: list, lo: int, hi: int, src=None) -> torch.Tensor:
         """Per segment of the index-list slice ``[lo, hi)``: θ's pointer, its flat offset,
@@ -503,8 +511,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         comm.all_gather(gathered, shard, kind="params")
 
         def value_at(a: int, b: int) -> torch.Tensor:
-            r = max(q for q in range(world) if starts[q] <= a and counts[q])
-            at = r * width + a - starts[r]
+            at = _gathered_at(a, starts, counts, width)
             return gathered[at:at + b - a]
 
         self._scatter_params(segs, local, gathered, value_at)
@@ -563,11 +570,8 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         gathered = torch.empty(width * world, dtype=torch.float32, device=x.device)
         comm.all_gather(gathered, shard, kind="params")
 
-        def src(a: int) -> int:
-            r = max(q for q in range(world) if starts[q] <= a and counts[q])
-            return r * width + a - starts[r]
-
-        stab = self._param_table(segs, 0, idx.numel(), src)
+        stab = self._param_table(segs, 0, idx.numel(),
+                                 lambda a: _gathered_at(a, starts, counts, width))
         lib.scape_scatter_params(native.ptr(idx), native.ptr(stab), stab.shape[0],
                                  native.ptr(gathered))
         self._pidx, self._pidx_own = idx, own - lo

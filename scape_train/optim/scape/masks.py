@@ -47,7 +47,7 @@ def _sample(a: torch.Tensor, k: int) -> torch.Tensor | None:
 
 def _top_k_bits_native(lib, stat: torch.Tensor, k: int, bits: torch.Tensor) -> bool:
     """The C top-k (native/scape_cpu.c: the same sampled threshold, then one pass to collect
-    the candidates' |c|, a quickselect, one pass writing the bits): ``bits`` set to exactly the
+    the candidates' |c|, a radix selection, one pass writing the bits): ``bits`` set to exactly the
     k largest ``|stat|`` (no abs copy, no index vectors); False where it does not apply."""
     sample = _sample(stat, k)
     if sample is None or not stat.is_contiguous():

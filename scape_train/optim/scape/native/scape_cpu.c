@@ -356,32 +356,9 @@ void scape_scatter_params(const i64 *idx, const i64 *stab, i64 nseg, const float
     }
 }
 
-/* The ``r``-th largest (0-based) of ``v[0:n]``, reordering ``v`` (quickselect, middle pivot) */
-static float select_desc(float *v, i64 n, i64 r) {
-    i64 lo = 0, hi = n - 1;
-    while (lo < hi) {
-        float pivot = v[lo + (hi - lo) / 2];
-        i64 i = lo, j = hi;
-        while (i <= j) {
-            while (v[i] > pivot) i++;
-            while (v[j] < pivot) j--;
-            if (i <= j) {
-                float t = v[i];
-                v[i] = v[j];
-                v[j] = t;
-                i++;
-                j--;
-            }
-        }
-        if (r <= j) hi = j;
-        else if (r >= i) lo = i;
-        else return v[r];
-    }
-    return v[r];
-}
-
-/* The k-th largest of the non-negative, non-NaN ``v[0:n]`` (1 <= k <= n) by radix selection on
- * the float's bits (for non-negative floats their order is the unsigned integers' order): three
+/* The k-th largest of the non-negative ``v[0:n]`` (1 <= k <= n) by radix selection on
+ * the float's bits (for non-negative floats their order is the unsigned integers' order; a NaN's
+ * bits sort above every number): three
  * rounds of an 11/11/10-bit histogram, each keeping (compacted in place) the values of the bin
  * that holds the k-th. ``*gt``: how many values are strictly larger. Destroys ``v``. */
 static float radix_select_desc(float *v, i64 n, i64 k, i64 *gt) {
@@ -430,7 +407,8 @@ i64 scape_topk_bits(const float *c, i64 n, i64 k, const i64 *sample, i64 ssize, 
                     u8 *bits, float *work, i64 cap) {
     if (k <= 0 || k > n || ssize <= rank || cap < ssize) return -1;
     for (i64 j = 0; j < ssize; j++) work[j] = fabsf(c[sample[j]]);
-    float thr = select_desc(work, ssize, rank);
+    i64 above;              /* a NaN sorts above every number: caught below, or in the pass */
+    float thr = radix_select_desc(work, ssize, rank + 1, &above);
     if (!(thr == thr)) return -1;
     i64 m = 0;
     for (i64 i = 0; i < n; i++) {
