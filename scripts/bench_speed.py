@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -103,10 +104,18 @@ def record(res: RunResult, skip: int) -> dict:
             "load_after": res.load_after, "command": res.command, "samples": samples(res, skip)}
 
 
+def next_rep(db: dict) -> int:
+    """The first repeat number after those already stored (repeats merge into one file)."""
+    reps = [int(m.group(1)) for runs in db.values() for r in runs
+            for m in [re.search(r"_r(\d+)(/|$)", r["command"].split("run_dir=")[-1])] if m]
+    return max(reps, default=-1) + 1
+
+
 def measure(args: argparse.Namespace, db: dict) -> None:
     out = Path(args.out)
     steps = [f"trainer.max_steps={args.steps}"]
-    for rep in range(args.repeats):
+    first = next_rep(db)
+    for rep in range(first, first + args.repeats):
         for rate in args.rates:
             # The compute-only bound is re-measured beside every block of runs: the machine's
             # load from other jobs drifts, and the bound must be taken under the same load.
@@ -117,7 +126,10 @@ def measure(args: argparse.Namespace, db: dict) -> None:
                     db.setdefault("compute", []).append(record(res, args.skip))
                 print(f"compute-only ({rate} block) rep {rep}: load {runs[0].load_before:.1f}->"
                       f"{runs[0].load_after:.1f}", flush=True)
-            for opt in args.opts:
+            # the contenders alternate: each repeat starts one later in the list, so no optimizer
+            # always runs first (or last) in a block while the load drifts
+            turn = rep % len(args.opts)
+            for opt in args.opts[turn:] + args.opts[:turn]:
                 name = f"{rate}_{opt}_r{rep}"
                 entry = ([sys.executable, str(Path(__file__).resolve()), "--train"]
                          if opt == "powersgd" else None)
