@@ -22,6 +22,8 @@ its tensor inputs plus its outputs (an in-place op's ``self`` is read and writte
 (``index_select``, ``index_copy_``, ``index_fill_``, ``index_add_``, ``gather``, ``scatter_``,
 ``index``, ``index_put_``) only the touched elements and the index. It ignores caches and
 fusion: a model of DRAM traffic for unfused kernels, a code-path comparison, not a measurement.
+SCAPE's C loops and Triton kernels never reach the dispatcher: they report their own bytes
+(``add_native``, ``add_kernel``; a Triton launch also counts as one launch, in ``kernel_bytes``).
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ class DeviceOpCounter:
         self.launches = 0
         self.host_scalar_reads = 0
         self.bytes_moved = 0
+        self.kernel_bytes: Counter = Counter()     # Triton kernels: name -> bytes
 
     @property
     def host_syncs(self) -> int:
@@ -192,4 +195,12 @@ class DeviceOpCounter:
     def add_native(self, name: str, nbytes: int) -> None:
         """A C loop of SCAPE's CPU path (optim/scape/native): its bytes read and written."""
         self.ops[f"native::{name}"] += 1
+        self.bytes_moved += nbytes
+
+    def add_kernel(self, name: str, nbytes: int) -> None:
+        """A Triton kernel (``optim/scape/counted_launch``): one launch, its bytes read and
+        written, computed by the launcher from the kernel's arguments."""
+        self.launches += 1
+        self.ops[f"triton::{name}"] += 1
+        self.kernel_bytes[name] += nbytes
         self.bytes_moved += nbytes

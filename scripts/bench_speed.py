@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -104,11 +105,57 @@ def record(res: RunResult, skip: int) -> dict:
             "load_after": res.load_after, "command": res.command, "samples": samples(res, skip)}
 
 
+def rep_of(run: dict) -> int | None:
+    """The repeat a stored run belongs to (its run directory names it: ``..._r<rep>[_copy<i>]``)."""
+    m = re.search(r"_r(\d+)(_copy\d+)?/run$", run["command"].split("run_dir=")[-1])
+    return int(m.group(1)) if m else None
+
+
 def next_rep(db: dict) -> int:
     """The first repeat number after those already stored (repeats merge into one file)."""
-    reps = [int(m.group(1)) for runs in db.values() for r in runs
-            for m in [re.search(r"_r(\d+)(/|$)", r["command"].split("run_dir=")[-1])] if m]
-    return max(reps, default=-1) + 1
+    reps = [rep_of(r) for runs in db.values() for r in runs]
+    return max((r for r in reps if r is not None), default=-1) + 1
+
+
+def per_repeat(db: dict) -> list[dict]:
+    """Per link and repeat, SCAPE-99 against dense AdamS and against the compute-only block run
+    beside it, from each run's median step: paired ratios, so drifting load between repeats
+    cancels instead of widening a pooled spread."""
+    def medians(runs, rate_tag):
+        out: dict[int, list[float]] = {}
+        for r in runs:
+            if r["rc"] == 0 and r["samples"]["step"] and rate_tag in r["command"]:
+                out.setdefault(rep_of(r), []).append(spread(r["samples"]["step"])["median"])
+        return {k: statistics.median(v) for k, v in out.items()}
+
+    rows = []
+    for rate in RATES:
+        comp = medians(db.get("compute", []), f"/compute_{rate}_r")
+        dense = medians(db.get(f"{rate}/adams", []), "")
+        scape = medians(db.get(f"{rate}/scape99", []), "")
+        for rep in sorted(set(dense) & set(scape)):
+            rows.append({"link": rate, "rep": rep, "adams_s": dense[rep], "scape99_s": scape[rep],
+                         "compute_s": comp.get(rep), "speedup": dense[rep] / scape[rep],
+                         "vs_compute": scape[rep] / comp[rep] if rep in comp else None})
+    return rows
+
+
+def repeat_table(rows: list[dict]) -> str:
+    lines = ["| link | repeat | dense AdamS s | SCAPE-99 s | compute-only s (block) | "
+             "SCAPE-99 speed-up | SCAPE-99 vs compute-only |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        comp = "-" if r["compute_s"] is None else f"{r['compute_s']:.3f}"
+        vs = "-" if r["vs_compute"] is None else f"{r['vs_compute']:.2f}x"
+        lines.append(f"| {r['link']} | {r['rep']} | {r['adams_s']:.3f} | {r['scape99_s']:.3f} | "
+                     f"{comp} | {r['speedup']:.2f}x | {vs} |")
+    for rate in RATES:
+        mine = [r for r in rows if r["link"] == rate]
+        if mine:
+            vs = [r["vs_compute"] for r in mine if r["vs_compute"] is not None]
+            lines.append(f"| {rate} | median of {len(mine)} | | | | "
+                         f"{statistics.median(r['speedup'] for r in mine):.2f}x | "
+                         f"{statistics.median(vs):.2f}x |" if vs else "")
+    return "\n".join(lines) + "\n"
 
 
 def measure(args: argparse.Namespace, db: dict) -> None:
@@ -264,8 +311,11 @@ def report(db: dict, args: argparse.Namespace) -> None:
     summ = summarise(db)
     (docs / "bench_speed_summary.json").write_text(json.dumps(summ, indent=1))
     (docs / "bench_speed_table.md").write_text(table(summ))
+    reps = repeat_table(per_repeat(db))
+    (docs / "bench_speed_repeats.md").write_text(reps)
     figure(summ, docs / "bench_speed.png")
     print(table(summ))
+    print(reps)
 
 
 def main() -> None:

@@ -136,3 +136,36 @@ def test_a_density_warmup_starts_on_the_reference_path_and_switches_to_the_fused
         paths.append(s.engine.fast)
     s.close()
     assert paths[0] is False and paths[-1] is True, paths
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("c_loops", [True, False])
+def test_next_topk_runs_while_the_payload_collective_is_in_flight(sharded, c_loops, monkeypatch):
+    """M_{t+1}'s top-k needs the candidate, not the averaged payload: the fused step starts the
+    payload's collective asynchronously, runs the top-k, then waits."""
+    from scape_train.optim.scape import strategy as scape_strategy
+
+    if not c_loops:
+        monkeypatch.setenv("SCAPE_NATIVE", "0")
+    s, w, _ = make(_cfg(sharded=sharded, density_warmup_steps=0))
+    events: list = []
+    op = "reduce_scatter" if sharded else "all_reduce"
+    collective = getattr(s.comm, op)
+
+    def watched(*a, kind, async_op=False, **kw):
+        handle = collective(*a, kind=kind, async_op=async_op, **kw)
+        if kind == "payload":
+            events.append(("start", async_op))
+            wait = handle.wait
+            handle.wait = lambda: (events.append("wait"), wait())[1]
+        return handle
+
+    topk = scape_strategy.topk_own_mask
+    monkeypatch.setattr(s.comm, op, watched)
+    monkeypatch.setattr(scape_strategy, "topk_own_mask",
+                        lambda *a, **k: (events.append("top-k"), topk(*a, **k))[1])
+    for t in range(1, 4):
+        events.clear()
+        train_step(s, w, t, 0)
+    assert s.engine.fast
+    assert events == [("start", True), "top-k", "wait"]

@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from . import native
+from . import native, passes
 from .kernels import nonzero_sorted
 from .replicated import ReplicatedScape, clip_coef
 from .sharded import ShardedScape
@@ -49,6 +49,25 @@ from .sharded import ShardedScape
 # densities are 0.01-0.1, plus the always-sent norm and bias tensors; a density warm-up starts
 # at 1): see _FusedMixin.select_path.
 FUSED_MAX_FRACTION = 0.5
+
+
+def _overlapped(handle, work) -> None:
+    """Run ``work`` (if any) while the collective behind ``handle`` is in flight, then wait."""
+    if work is not None:
+        work()
+    handle.wait()
+
+
+def _as_tensor(x) -> torch.Tensor:
+    """A sum a pass returned: a C double, or a 0-d float64 tensor from a library on the device."""
+    return x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64)
+
+
+def _root(sq, cut=0.0) -> torch.Tensor:
+    """``sqrt(max(sq - cut, 0))`` as a float64 tensor, on the host (C sums) or the device."""
+    if isinstance(sq, torch.Tensor):
+        return (sq - cut).clamp_min(0.0).sqrt()
+    return torch.tensor(math.sqrt(max(sq - cut, 0.0)), dtype=torch.float64)
 
 
 def _gathered_at(a: int, starts: list[int], counts: list[int], width: int) -> int:
@@ -147,7 +166,7 @@ class _FusedMixin:
         if grads is not None and not all(g.dtype == torch.float32 and g.is_contiguous()
                                          for g in grads):
             return None
-        return native.lib(self.m)
+        return passes.lib(self.backend, self.m)
 
     def _grad_table(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pointer, flat offset) per tensor, and the numels: where the C prepare reads g."""
@@ -175,12 +194,16 @@ class _FusedMixin:
         bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
         bias = {"adam": 1, "official": 2}.get(cfg.bias_correction, 0)
         step_size = lr / bc1 if bias else lr
-        work = torch.empty(k, dtype=torch.float32)
+        work = torch.empty(k, dtype=torch.float32, device=m.device)
         kz = -1 if old_support is None else old_support.numel()
+        if coef is None:
+            coef_arg = 1.0
+        else:       # a device tensor for a library on the device: no host read
+            coef_arg = coef if lib.on_device else float(coef)
         lib.scape_adams(native.ptr(idx), j0, k, base, native.ptr(ghat), native.ptr(m),
                         m.numel(), native.ptr(old_support), kz, native.ptr(ttab),
                         ttab.shape[0], native.ptr(out), native.ptr(work),
-                        1.0 if coef is None else float(coef), int(coef is not None), beta1,
+                        coef_arg, int(coef is not None), beta1,
                         beta2, 1.0 - beta1, 1.0 - beta2, bc1, math.sqrt(bc2), cfg.eps,
                         -step_size, bias)
 
@@ -335,8 +358,10 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         lo, hi = self.part.ranges[self.comm.rank]
         return e[lo:hi]
 
-    def update(self, mask: torch.Tensor, lr: float, step: int, counts: list[list[int]]
-               ) -> dict[str, float]:
+    def update(self, mask: torch.Tensor, lr: float, step: int, counts: list[list[int]],
+               during_payload=None) -> dict[str, float]:
+        """The reference's update, O(k); ``during_payload`` (the next mask's top-k, which reads
+        the candidate only) runs while the payload's all-reduce is in flight."""
         if not self.fast:
             return super().update(mask, lr, step, counts)
         cfg, c = self.cfg, self._c
@@ -348,9 +373,10 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         idx = self._mask_index(mask, k)
         lib = self._native()
         if lib is not None:
-            return self._update_native(lib, idx, k, counts, lr, step)
+            return self._update_native(lib, idx, k, counts, lr, step, during_payload)
         payload = c.index_select(0, idx)
-        self.comm.all_reduce(payload, kind="payload", average=True)
+        _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
+                    during_payload)
         m_c = self.m.index_select(0, idx)
         ghat_c = m_c.mul(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
         norm = torch.linalg.vector_norm(ghat_c)
@@ -372,16 +398,17 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         return {"grad_norm": norm, "scape/payload_numel": float(k)}
 
     def _update_native(self, lib, idx: torch.Tensor, k: int, counts: list[list[int]],
-                       lr: float, step: int) -> dict[str, float]:
+                       lr: float, step: int, during_payload) -> dict[str, float]:
         """:meth:`update` with its O(k) passes in C: gather, ĝ and its norm, AdamS at the mask
         positions, the momentum; the all-reduce and the weight decay as on the torch path."""
         cfg, c, m = self.cfg, self._c, self.m
         payload = torch.empty(k, dtype=torch.float32, device=c.device)
         lib.scape_gather(k, native.ptr(idx), 0, native.ptr(c), native.ptr(payload))
-        self.comm.all_reduce(payload, kind="payload", average=True)
+        _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
+                    during_payload)
         sq = lib.scape_ghat(k, native.ptr(idx), 0, native.ptr(payload), None, native.ptr(m),
                             cfg.betas[0], 1.0 - cfg.betas[0])  # payload becomes ĝ
-        norm = torch.tensor(math.sqrt(sq), dtype=torch.float32)
+        norm = _root(sq).float()
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         mi = self._index(idx, counts)
         segs = mi.segs
@@ -406,8 +433,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
                 cut = lib.scape_fill(native.ptr(e), native.ptr(self._idx), self._idx.numel(), 0.0)
                 if c_sq is not None:    # ‖(1-M)⊙c‖² = Σ c² - Σ_M c², both summed in double
                     self._zero_pending = False
-                    return {"scape/residual_norm":
-                            torch.tensor(math.sqrt(max(c_sq - cut, 0.0)), dtype=torch.float64)}
+                    return {"scape/residual_norm": _root(c_sq, cut)}
             else:
                 e.index_fill_(0, self._idx, 0.0)
             self._zero_pending = False
@@ -446,7 +472,8 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
                 native.ptr(self.rho), native.ptr(self.m), native.ptr(p), p.numel(), beta1,
                 1.0 - beta1)
             self._x = eps_
-            (cand,) = self._cand_pool.get(((self.hi - self.lo,), torch.float32))
+            (cand,) = self._cand_pool.get(((self.hi - self.lo,), torch.float32),
+                                          device=eps_.device)
             return torch.add(self.rho, eps_[self.lo:self.hi], out=cand)
         self._add_scaled_grads(eps_, g)                      # ε ← x
         if self._pidx is None:
@@ -457,8 +484,10 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self._x = eps_
         return torch.add(self.rho, eps_[self.lo:self.hi])    # base + x^(o) = c^(o)
 
-    def update(self, mask: torch.Tensor, lr: float, step: int, seg_counts: list[list[int]]
-               ) -> dict[str, float]:
+    def update(self, mask: torch.Tensor, lr: float, step: int, seg_counts: list[list[int]],
+               during_payload=None) -> dict[str, float]:
+        """The reference's update, O(k); ``during_payload`` runs while the payload's
+        reduce-scatter is in flight (it reads the owner's candidate, a buffer of its own)."""
         if not self.fast:
             return super().update(mask, lr, step, seg_counts)
         cfg, x, comm = self.cfg, self._x, self.comm
@@ -474,14 +503,16 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         idx = self._mask_index(mask, total)
         lib = self._native()
         if lib is not None:
-            return self._update_native(lib, idx, seg_counts, counts, starts, width, lr, step)
+            return self._update_native(lib, idx, seg_counts, counts, starts, width, lr, step,
+                                       during_payload)
         payload = x.index_select(0, idx)
         send = torch.zeros(world, width, dtype=torch.float32, device=x.device)
         for r, k in enumerate(counts):
             if k:
                 send[r, :k] = payload[starts[r]:starts[r] + k]
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
-        comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True)
+        _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True,
+                                        async_op=True), during_payload)
         if self.record:
             self.last["reduced"] = recv[:counts[rank]].clone()
         k_own, s_own = counts[rank], starts[rank]
@@ -527,8 +558,8 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
                 "scape/residual_norm": res_sq.sqrt()}
 
     def _update_native(self, lib, idx: torch.Tensor, seg_counts: list[list[int]],
-                       counts: list[int], starts: list[int], width: int, lr: float, step: int
-                       ) -> dict[str, float]:
+                       counts: list[int], starts: list[int], width: int, lr: float, step: int,
+                       during_payload) -> dict[str, float]:
         """:meth:`update` with its O(k) passes in C (the payload gathered straight into the
         reduce-scatter's rows, ĝ and ρ's fold, AdamS into the shard, the parameters from the
         gathered shards, the momentum); the collectives and the weight decay as in torch."""
@@ -540,21 +571,21 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
                 lib.scape_gather(k, native.ptr(idx[starts[r]:starts[r] + k]), 0, native.ptr(x),
                                  native.ptr(send[r]))
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
-        comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True)
+        _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True,
+                                        async_op=True), during_payload)
         del send
         k_own, s_own = counts[rank], starts[rank]
         own = idx[s_own:s_own + k_own]
         sq = lib.scape_ghat(k_own, native.ptr(own), lo, native.ptr(recv), native.ptr(self.rho),
                             native.ptr(m), cfg.betas[0], 1.0 - cfg.betas[0])  # recv = ĝ;
         # ρ = (1-M)⊙base
-        sq_t = torch.tensor([sq], dtype=torch.float32)
+        sq_t = _as_tensor(sq).float().reshape(1)
         comm.all_reduce(sq_t, kind="norm", average=False)
         norm = sq_t.sqrt()[0]
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         cut = lib.scape_fill(native.ptr(x), native.ptr(idx), idx.numel(), 0.0)  # ε = (1-M)⊙x
         x_sq, self._x_sq = self._x_sq, None
-        res_sq = (torch.linalg.vector_norm(x).double().square() if x_sq is None
-                  else torch.tensor(max(x_sq - cut, 0.0), dtype=torch.float64))
+        res = (torch.linalg.vector_norm(x).double() if x_sq is None else _root(x_sq, cut))
         mi = self._index(idx, seg_counts)
         segs = mi.segs
         self._decay(lr)
@@ -578,7 +609,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self._prev_local = mi
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(sum(counts)),
-                "scape/residual_norm": res_sq.sqrt()}
+                "scape/residual_norm": res}
 
     def _forget_support(self) -> None:
         self._pidx = self._pidx_own = None

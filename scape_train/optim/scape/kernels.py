@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from .checks import check_payload_count
+
 BACKENDS = ("auto", "torch", "triton")
 _ENV_VAR = "SCAPE_KERNEL_BACKEND"
 
@@ -148,12 +150,6 @@ def _check_payload(payload: torch.Tensor, out: torch.Tensor, count: int | None) 
         raise ValueError(f"payload on {payload.device} but out on {out.device}")
     if count is not None:
         check_payload_count(payload.numel(), count)
-
-
-def check_payload_count(numel: int, count: int) -> None:
-    if numel != count:
-        raise ValueError(f"payload has {numel} values but the mask has {count} ones; "
-                         f"the payload length must equal the mask's popcount")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from . import native
-from .kernels import nonzero_sorted, pack_bits, packed_numel, unpack_bits
+from .kernels import nonzero_sorted, pack_bits, packed_numel, resolve_backend, unpack_bits
 from .partition import ParamLayout, PartitionMap
 
 MASK_CODINGS = ("auto", "bitmap", "indices", "elias_fano")
@@ -120,6 +120,14 @@ def _seg_code(kind: str, flat_start: int, numel: int, k: int, off: int) -> SegCo
     low = ef_low_bits(numel, k)
     lo_b, hi_b = ef_sizes(numel, k, low)
     return SegCode(kind, flat_start, numel, k, low, off, lo_b, hi_b)
+
+
+def _triton_codecs():
+    # lazily: the package imports without triton, and a test's TRITON_INTERPRET=1 is in place
+    # before triton is first imported
+    from . import triton_codecs
+
+    return triton_codecs
 
 
 def _pack_fields(values: torch.Tensor, width: int, backend: str) -> torch.Tensor:
@@ -240,11 +248,13 @@ class MaskPlan:
         self.shard_bytes = max(self.rank_bytes)    # 0: every segment all ones, nothing to send
         self._tables: dict = {}
         self._ef: dict = {}          # per device: the Elias-Fano decode tables (_ef_tables)
+        self._triton: dict = {}      # the Triton path's task tables (triton_codecs)
         self._pool = native.BufferPool(2)   # the C decode's (mask, indices) pairs
 
     def drop_decode_tables(self) -> None:
         """Free the per-one decode tables and buffers (a plan no longer in use)."""
         self._ef = {}
+        self._triton = {}
         self._pool = native.BufferPool(2)
 
     def kinds(self) -> dict[str, int]:
@@ -264,6 +274,9 @@ class MaskPlan:
             shard[:packed.numel()] = packed
             return shard
         lo = self.part.ranges[rank][0]
+        if resolve_backend(backend, own_bits) == "triton":
+            return _triton_codecs().encode_mask(self.segs[rank], lo, self.shard_bytes, own_bits,
+                                                self._triton)
         lib = native.lib(own_bits)
         if lib is not None and own_bits.is_contiguous():
             rows = [[_NATIVE_KIND[s.kind], s.flat_start - lo, s.numel, s.k, s.width, s.off,
@@ -305,7 +318,8 @@ class MaskPlan:
                             backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(mask, indices)``: the full bool mask and, when every segment is Elias-Fano coded
         or all ones, the flat indices of its ones in increasing order (what
-        ``nonzero_static(mask)`` gives, without the full-size pass); else ``None``."""
+        ``nonzero_static(mask)`` gives, without the full-size pass); else ``None``. The C path
+        gives them for every coding (unless the whole plan is all ones), the Triton path always."""
         self._indices = None
         mask = self._decode(gathered, device, backend)
         idx, self._indices = self._indices, None
@@ -324,10 +338,14 @@ class MaskPlan:
             if mask.numel() != self.total:
                 raise RuntimeError(f"assembled mask has {mask.numel()} bits, expected {self.total}")
             return mask
+        probe = gathered if gathered is not None else torch.empty(0, device=device)
+        if resolve_backend(backend, probe) == "triton":     # every coding, indices included
+            mask, self._indices = _triton_codecs().decode_mask(
+                self.segs, self.shard_bytes, self.total, gathered, device, self._triton)
+            return mask
         tables = self._device_tables(device)
         if tables["all_ones"]:
             return torch.ones(self.total, dtype=torch.bool, device=device)
-        probe = gathered if gathered is not None else torch.empty(0, device=device)
         lib = native.lib(probe)
         if lib is not None and (gathered is None or gathered.is_contiguous()):
             return self._decode_native(lib, gathered, device)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm
+from .kernels import resolve_backend
 
 PAYLOAD_DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2")
 SCALE_BLOCK = 128      # fp8: one power-of-two scale per this many consecutive values
@@ -56,13 +57,20 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+def _triton_payload():
+    # lazily: the package imports without triton (and after a test's TRITON_INTERPRET=1)
+    from . import triton_payload
+
+    return triton_payload
+
+
 class PayloadCodec:
     """Encodes fp32 rows into wire bytes and back; ``fp32`` is the identity (raw bytes)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, backend: str = "auto"):
         if name not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype must be one of {PAYLOAD_DTYPES}, got {name!r}")
-        self.name = name
+        self.name, self.backend = name, backend     # "auto": the Triton kernels on CUDA
         self.lowp = name != "fp32"
         self.scaled = name.startswith("fp8")
         self.itemsize = {"fp32": 4, "bf16": 2}.get(name, 1)
@@ -79,6 +87,8 @@ class PayloadCodec:
         rows, n = x.shape
         if not self.lowp:
             return x.contiguous().view(torch.uint8).reshape(rows, 4 * n)
+        if resolve_backend(self.backend, x) == "triton":
+            return _triton_payload().encode(x, self.name, self.nbytes(n))
         if not self.scaled:
             return x.to(_TORCH_DTYPE[self.name]).view(torch.uint8).reshape(rows, 2 * n)
         nb = self.nblocks(n)
@@ -99,6 +109,8 @@ class PayloadCodec:
         rows = b.shape[0]
         if not self.lowp:
             return b.contiguous().view(torch.float32).reshape(rows, n).clone()
+        if resolve_backend(self.backend, b) == "triton":
+            return _triton_payload().decode(b, n, self.name)
         dt = _TORCH_DTYPE[self.name]
         if not self.scaled:
             return b.contiguous().view(dt).reshape(rows, n).float()

@@ -38,7 +38,7 @@ class ReplicatedScape:
         dev, n = layout.device, layout.total
         self.m = torch.zeros(n, dtype=torch.float32, device=dev)
         self.residual = ResidualStore(n, dev, cfg.offload_residuals, cfg.offload_chunk_numel)
-        self.codec = PayloadCodec(cfg.payload_dtype)
+        self.codec = PayloadCodec(cfg.payload_dtype, backend)
         self.record = False          # tests: keep this step's candidate in ``last``
         self.last: dict[str, torch.Tensor] = {}
         self._c: torch.Tensor | None = None
@@ -60,10 +60,11 @@ class ReplicatedScape:
         self._res_sq = self.residual.set_from(self._c, mask)
 
     # -- lines 2, 4-7 --------------------------------------------------------------------------
-    def update(self, mask: torch.Tensor, lr: float, step: int, counts: list[list[int]]
-               ) -> dict[str, float]:
+    def update(self, mask: torch.Tensor, lr: float, step: int, counts: list[list[int]],
+               during_payload=None) -> dict[str, float]:
         """``counts``: the mask's ones per segment of every rank, known on the host (the density
-        schedule), so that no size is read back from the device."""
+        schedule), so that no size is read back from the device. ``during_payload``: work to
+        overlap with the payload's collective; this engine leaves it to the caller."""
         cfg, c = self.cfg, self._c
         assert c is not None, "prepare() first"
         beta1, beta2 = cfg.betas

@@ -44,7 +44,7 @@ class ShardedScape:
         self.rho = torch.zeros(own, dtype=torch.float32, device=dev)   # owner's shared residual
         self.residual = ResidualStore(layout.total, dev, cfg.offload_residuals,
                                       cfg.offload_chunk_numel)        # ε^(r), full size
-        self.codec = PayloadCodec(cfg.payload_dtype)
+        self.codec = PayloadCodec(cfg.payload_dtype, backend)
         # low precision only: the owner's parameter-update residual (see _sync_param_updates)
         self.update_residual = (torch.zeros(own, dtype=torch.float32, device=dev)
                                 if self.codec.lowp else None)
@@ -66,10 +66,12 @@ class ShardedScape:
     def _base(self) -> torch.Tensor:
         return torch.mul(self.m, self.cfg.betas[0]).add_(self.rho)
 
-    def update(self, mask: torch.Tensor, lr: float, step: int, seg_counts: list[list[int]]
-               ) -> dict[str, float]:
+    def update(self, mask: torch.Tensor, lr: float, step: int, seg_counts: list[list[int]],
+               during_payload=None) -> dict[str, float]:
         """``seg_counts``: the mask's ones per segment of every rank, known on the host (the
-        density schedule): every size below follows from it, none is read from the device."""
+        density schedule): every size below follows from it, none is read from the device.
+        ``during_payload``: work to overlap with the payload's collective; this engine leaves it
+        to the caller."""
         cfg, x, comm, lay = self.cfg, self._x, self.comm, self.layout
         assert x is not None, "prepare() first"
         beta1, beta2 = cfg.betas

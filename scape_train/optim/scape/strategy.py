@@ -35,6 +35,18 @@ _KERNEL_BACKEND = {"auto": "auto", "on": "triton", "off": "torch"}
 STATE_VERSION = 1
 
 
+class _RunOnce:
+    """A call made at most once; later calls return its result."""
+
+    def __init__(self, fn):
+        self._fn, self._done, self._result = fn, False, None
+
+    def __call__(self):
+        if not self._done:
+            self._result, self._done = self._fn(), True
+        return self._result
+
+
 class ScapeStrategy(OptimizerStrategy):
     def __init__(self, cfg: OptimizerConfig, model: nn.Module, comm: Comm | None = None):
         self.cfg = cfg
@@ -123,9 +135,13 @@ class ScapeStrategy(OptimizerStrategy):
         prev_idx = getattr(self.engine, "_pidx", None)   # fused: M_{t-1}'s indices
         if hasattr(self.engine, "given_idx"):             # fused: M_t's, when the decode has them
             self.engine.given_idx = None if self._pending is None else self._pending.indices
-        metrics = self.engine.update(mask, lr, t, counts)
+        # M_{t+1}'s top-k reads the candidate only, not the averaged payload: the fused engines
+        # run it while the payload's collective is in flight; the others leave it to here
         d_next = self.density(t + 1)
-        own_bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, d_next)
+        next_topk = _RunOnce(lambda: topk_own_mask(stat, self.part, self.comm.rank, self.layout,
+                                                   d_next))
+        metrics = self.engine.update(mask, lr, t, counts, during_payload=next_topk)
+        own_bits = next_topk()
         self._pending = self.exchange.start(own_bits, d_next, async_op=True)
         metrics.update(self.engine.finish_step())   # after the top-k has read the candidate
         self.mask_cur, self.steps_done = mask, t

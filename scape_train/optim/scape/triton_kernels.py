@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import check_payload_count
+from .checks import check_payload_count
 
 # Elements per program. Large blocks keep the launch count (and, under TRITON_INTERPRET, the
 # per-program interpreter overhead) low; 4096 elements = 512 packed bytes.

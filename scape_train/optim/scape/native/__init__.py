@@ -95,8 +95,10 @@ counters: list = []          # DeviceOpCounters in effect (profiling.py register
 class _Counted:
     """The loaded library, each call counted by the active ``DeviceOpCounter`` s."""
 
-    def __init__(self, cdll: ctypes.CDLL):
+    def __init__(self, cdll):
         self._cdll = cdll
+        # True for the Triton twin (triton_passes): sums are device tensors, coef is one
+        self.on_device = bool(getattr(cdll, "on_device", False))
 
     def __getattr__(self, name: str):
         fn, traffic = getattr(self._cdll, name), _TRAFFIC[name]
@@ -104,12 +106,17 @@ class _Counted:
         def call(*args):
             if counters:
                 nbytes = traffic(*args)
-                for c in counters:
-                    c.add_native(name, nbytes)
+                for c in counters:   # a C loop, or a Triton pass (one launch per call)
+                    (c.add_kernel if self.on_device else c.add_native)(name, nbytes)
             return fn(*args)
 
         setattr(self, name, call)
         return call
+
+
+def counted(passes) -> _Counted:
+    """``passes`` (a library with scape_cpu.c's functions) with its calls counted."""
+    return _Counted(passes)
 
 
 def _cache_dir() -> Path:
@@ -199,7 +206,10 @@ class BufferPool:
         self.size = size
         self._groups: list[tuple[torch.Tensor, ...]] = []
 
-    def get(self, *specs: tuple[tuple[int, ...], torch.dtype]) -> tuple[torch.Tensor, ...]:
+    def get(self, *specs: tuple[tuple[int, ...], torch.dtype],
+            device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+        if device is not None and device.type != "cpu":   # the caching allocator reuses blocks
+            return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
         for group in self._groups:
             if (len(group) == len(specs)
                     and all(t.shape == shape and t.dtype == dtype

@@ -1,0 +1,379 @@
+"""The fused SCAPE step's passes as Triton kernels: the CUDA twin of ``native/scape_cpu.c``.
+
+Same functions, same arguments, same equations as the C loops (:mod:`.native`), so the fused
+engine (:mod:`.fused`) calls either through one seam (:func:`.passes.lib`) and
+``native._TRAFFIC`` counts both: raw data pointers (``int``, ``None`` for NULL), per-tensor and
+per-segment tables as host int64 tables (``native.table``), fp32 scalars. What differs:
+
+- **Nothing is read back to the host.** The C loops return their sums (Σ c², Σ ĝ², ...) as
+  doubles; these return them as 0-d float64 tensors on the device (per-program partial sums
+  added by one ``sum``), and ``scape_adams`` takes the clipping coefficient as a device tensor
+  (``coef``), not a float. Grid sizes come from host-known counts (the density schedule's k).
+- **Tables travel to the device** once per content: the per-tensor gradient table (pointers
+  change when autograd allocates new gradients), the parameter tables (stable for a mask plan).
+  Each is cached by its bytes, with the launch's block table beside it.
+- **Rounding as the C loops and torch**: ``enable_fp_fusion=False`` (no FMA contraction, as
+  ``-ffp-contract=off``), ``div_rn``/``sqrt_rn`` (correctly rounded, where Triton's ``/`` and
+  ``sqrt`` are approximate on the GPU), sums of squares in float64 (the order differs from the
+  C loops', so they agree to rounding, not bit for bit).
+
+Work per pass, as in the C loops: the prepare is the one full-size pass (read g, e (and m on a
+general step), write e), every other pass touches the k mask positions only. Full-size passes
+run over all tensors in one launch through a block table ``(tensor, start, numel)``; k-sized
+passes over segments through ``(segment, first index-list entry)`` blocks, so a block never
+straddles two parameters.
+
+Tested against the C loops and the torch path under ``TRITON_INTERPRET=1``
+(tests/test_triton_passes.py), which runs these kernels on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import triton
+import triton.language as tl
+
+from .counted_launch import run
+
+FULL_BLOCK = 4096      # elements per program of a full-size pass
+K_BLOCK = 1024         # index-list entries per program of a k-sized pass
+_OPTS = dict(enable_fp_fusion=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _f32(addr):
+    return addr.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _i64(addr):
+    return addr.to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def _sq_sum(x, keep):
+    d = x.to(tl.float64)
+    return tl.sum(tl.where(keep, d * d, 0.0), axis=0)
+
+
+@triton.jit
+def _prepare_kernel(blocks, gtab, e_addr, m_addr, parts, beta1, s, GENERAL: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """c = e + s·g (GENERAL: (β1·m + s·g) + e) on one block of one tensor; e ← c; Σ c²."""
+    pid = tl.program_id(0)
+    t = tl.load(blocks + 3 * pid)
+    offs = tl.load(blocks + 3 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
+    keep = offs < tl.load(blocks + 3 * pid + 2)
+    g = tl.load(_f32(tl.load(gtab + 2 * t)) + offs, mask=keep, other=0.0)
+    e_ptr = _f32(e_addr) + tl.load(gtab + 2 * t + 1) + offs
+    e = tl.load(e_ptr, mask=keep, other=0.0)
+    if GENERAL:
+        m = tl.load(_f32(m_addr) + tl.load(gtab + 2 * t + 1) + offs, mask=keep, other=0.0)
+        c = m * beta1 + s * g
+        c = c + e
+    else:
+        c = e + s * g
+    tl.store(e_ptr, c, mask=keep)
+    tl.store(parts + pid, _sq_sum(c, keep))
+
+
+@triton.jit
+def _prepare_fix_kernel(blocks, ptab, pidx_addr, e_addr, m_addr, parts, beta1, s,
+                        BLOCK: tl.constexpr):
+    """At m's support (e_{t-1} = 0 there): e[i] ← β1·m[i] + s·g[i]; Σ (c² - old e²)."""
+    pid = tl.program_id(0)
+    row = ptab + 4 * tl.load(blocks + 2 * pid)
+    j = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
+    keep = j < tl.load(row + 3)
+    i = tl.load(_i64(pidx_addr) + j, mask=keep, other=0)
+    g = tl.load(_f32(tl.load(row)) + (i - tl.load(row + 1)), mask=keep, other=0.0)
+    m = tl.load(_f32(m_addr) + i, mask=keep, other=0.0)
+    old = tl.load(_f32(e_addr) + i, mask=keep, other=0.0)
+    c = m * beta1 + s * g
+    tl.store(_f32(e_addr) + i, c, mask=keep)
+    tl.store(parts + pid, _sq_sum(c, keep) - _sq_sum(old, keep))
+
+
+@triton.jit
+def _rho_kernel(pidx_addr, k, rho_addr, m_addr, beta1, BLOCK: tl.constexpr):
+    """ρ[i] ← β1·m[i] at the owner's m support."""
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = j < k
+    i = tl.load(_i64(pidx_addr) + j, mask=keep, other=0)
+    m = tl.load(_f32(m_addr) + i, mask=keep, other=0.0)
+    tl.store(_f32(rho_addr) + i, m * beta1, mask=keep)
+
+
+@triton.jit
+def _gather_kernel(k, idx_addr, base, src_addr, out_addr, BLOCK: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = j < k
+    i = tl.load(_i64(idx_addr) + j, mask=keep, other=0) - base
+    tl.store(_f32(out_addr) + j, tl.load(_f32(src_addr) + i, mask=keep), mask=keep)
+
+
+@triton.jit
+def _ghat_kernel(k, idx_addr, base, b_addr, rho_addr, m_addr, parts, nb, d,
+                 HAS_RHO: tl.constexpr, BLOCK: tl.constexpr):
+    """ĝ = (m·(-β1) + b (+ ρ, then ρ ← 0)) / (1-β1) in place of b; Σ ĝ²."""
+    pid = tl.program_id(0)
+    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = j < k
+    i = tl.load(_i64(idx_addr) + j, mask=keep, other=0) - base
+    t = tl.load(_f32(b_addr) + j, mask=keep, other=0.0)
+    if HAS_RHO:
+        t = t + tl.load(_f32(rho_addr) + i, mask=keep, other=0.0)
+        tl.store(_f32(rho_addr) + i, tl.zeros_like(t), mask=keep)
+    m = tl.load(_f32(m_addr) + i, mask=keep, other=0.0)
+    g = tl.div_rn(m * nb + t, d)
+    tl.store(_f32(b_addr) + j, g, mask=keep)
+    tl.store(parts + pid, _sq_sum(g, keep))
+
+
+@triton.jit
+def _fill_kernel(dst_addr, idx_addr, k, value, parts, BLOCK: tl.constexpr):
+    """dst[idx] ← value; Σ of the old values' squares."""
+    pid = tl.program_id(0)
+    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = j < k
+    i = tl.load(_i64(idx_addr) + j, mask=keep, other=0)
+    old = tl.load(_f32(dst_addr) + i, mask=keep, other=0.0)
+    tl.store(_f32(dst_addr) + i, tl.zeros_like(old) + value, mask=keep)
+    tl.store(parts + pid, _sq_sum(old, keep))
+
+
+@triton.jit
+def _zero_kernel(dst_addr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(_f32(dst_addr) + offs, tl.zeros((BLOCK,), tl.float32), mask=offs < n)
+
+
+@triton.jit
+def _adams_kernel(blocks, ttab, idx_addr, j0, base, ghat_addr, m_addr, out_addr, work_addr,
+                  coef_ptr, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns,
+                  CLIP: tl.constexpr, HAS_OUT: tl.constexpr, BIAS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """AdamS at one segment block of the mask (``scape_adams``'s arithmetic, op for op): θ
+    updated (or written to out), m[i] ← m', ĝ ← m'. ``work``: m at the mask, gathered before
+    m was zeroed."""
+    pid = tl.program_id(0)
+    row = ttab + 4 * tl.load(blocks + 2 * pid)
+    j = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
+    keep = j < tl.load(row + 3)
+    i = tl.load(_i64(idx_addr) + j, mask=keep, other=0)
+    g = tl.load(_f32(ghat_addr) + (j - j0), mask=keep, other=0.0)
+    if CLIP:
+        g = g * tl.load(coef_ptr)
+    mc = tl.load(_f32(work_addr) + (j - j0), mask=keep, other=0.0)
+    if BIAS == 2:
+        prev = tl.div_rn(mc, bc1)
+    else:
+        prev = mc
+    v = prev * prev
+    v = v * beta2
+    gg = omb2 * g
+    gg = gg * g
+    v = v + gg
+    mn = mc * beta1
+    mn = mn + omb1 * g
+    den = tl.sqrt_rn(v)
+    if BIAS == 1:
+        den = tl.div_rn(den, sqrt_bc2)
+    den = den + eps
+    upd = tl.div_rn(ns * mn, den)
+    th_ptr = _f32(tl.load(row)) + (i - tl.load(row + 1))
+    th = tl.load(th_ptr, mask=keep, other=0.0) + upd
+    if HAS_OUT:
+        tl.store(_f32(out_addr) + (j - j0), th, mask=keep)
+    else:
+        tl.store(th_ptr, th, mask=keep)
+    tl.store(_f32(m_addr) + (i - base), mn, mask=keep)
+    tl.store(_f32(ghat_addr) + (j - j0), mn, mask=keep)
+
+
+@triton.jit
+def _scatter_params_kernel(blocks, stab, idx_addr, values_addr, BLOCK: tl.constexpr):
+    """θ[idx[j] - off] ← values[src + j - a] on one segment block."""
+    pid = tl.program_id(0)
+    row = stab + 5 * tl.load(blocks + 2 * pid)
+    j = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
+    keep = j < tl.load(row + 3)
+    i = tl.load(_i64(idx_addr) + j, mask=keep, other=0)
+    v = tl.load(_f32(values_addr) + (tl.load(row + 4) - tl.load(row + 2) + j), mask=keep)
+    tl.store(_f32(tl.load(row)) + (i - tl.load(row + 1)), v, mask=keep)
+
+
+@triton.jit
+def _count_at_kernel(mask_addr, idx_addr, k, parts, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = j < k
+    i = tl.load(_i64(idx_addr) + j, mask=keep, other=0)
+    bit = tl.load(mask_addr.to(tl.pointer_type(tl.uint8)) + i, mask=keep, other=0)
+    tl.store(parts + pid, tl.sum((bit != 0).to(tl.int64), axis=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+
+def _host_rows(addr: int, rows: int, width: int) -> tuple[int, ...]:
+    """A host int64 table's contents (``native.table``), row-major."""
+    return tuple((ctypes.c_int64 * (rows * width)).from_address(addr)) if rows else ()
+
+
+class TritonPasses:
+    """``scape_cpu.c``'s functions for tensors on ``device`` (see the module docstring)."""
+
+    on_device = True      # sums come back as device tensors; scape_adams takes coef as one
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._tables: dict[tuple, tuple] = {}
+
+    # -- tables ----------------------------------------------------------------------------
+    def _cached(self, key: tuple, build) -> tuple:
+        hit = self._tables.get(key)
+        if hit is None:
+            if len(self._tables) > 64:    # gradient tables change with autograd's allocations
+                self._tables.clear()
+            hit = self._tables[key] = build()
+        return hit
+
+    def _dev(self, values: torch.Tensor) -> torch.Tensor:
+        # from pageable host memory: staged at once, no wait for the device's queue
+        return values.to(self.device, non_blocking=True)
+
+    def _table(self, addr: int, rows: int, width: int) -> tuple[tuple, torch.Tensor]:
+        """A host table's contents and its device copy (cached by content)."""
+        vals = _host_rows(addr, rows, width)
+        return vals, self._cached(("table", width, vals), lambda: self._dev(
+            torch.tensor(vals, dtype=torch.int64)))
+
+    def _blocks(self, starts: list[int], ends: list[int], block: int, with_end: bool
+                ) -> torch.Tensor:
+        """Rows ``(row, first element[, end])`` of the programs covering each ``[start, end)``
+        with ``block`` elements each (cached by the ranges: they follow from the mask plan or
+        the parameter sizes, not from the data)."""
+        def build():
+            a = torch.tensor(starts, dtype=torch.int64)
+            b = torch.tensor(ends, dtype=torch.int64)
+            per = (b - a + block - 1).div(block, rounding_mode="floor").clamp_min(0)
+            row = torch.repeat_interleave(torch.arange(len(starts)), per)
+            first = torch.cumsum(per, 0) - per
+            at = a[row] + (torch.arange(row.numel()) - first[row]) * block
+            cols = [row, at] + ([b[row]] if with_end else [])
+            return self._dev(torch.stack(cols, 1).reshape(-1))
+        return self._cached(("blocks", block, with_end, tuple(starts), tuple(ends)), build)
+
+    def _tensor_blocks(self, gtab: int, ntensor: int, numels: int) -> tuple:
+        """(block table (tensor, start, numel), device gradient table) for a full-size pass."""
+        sizes = list(_host_rows(numels, ntensor, 1))
+        _, gt = self._table(gtab, ntensor, 2)
+        return self._blocks([0] * ntensor, sizes, FULL_BLOCK, True), gt
+
+    def _segment_blocks(self, tab: int, nseg: int, width: int) -> tuple:
+        """(block table (segment, first entry), device segment table) for a k-sized pass over
+        segment rows ``(pointer, offset, a, b, ...)``."""
+        rows, dev = self._table(tab, nseg, width)
+        return self._blocks(list(rows[2::width]), list(rows[3::width]), K_BLOCK, False), dev
+
+    def _parts(self, n: int, dtype=torch.float64) -> torch.Tensor:
+        return torch.zeros(max(n, 1), dtype=dtype, device=self.device)
+
+    # -- the passes (native/scape_cpu.c's signatures) --------------------------------------
+    def scape_prepare_replicated_general(self, ntensor, gtab, numels, e, m, beta1, s):
+        blocks, gt = self._tensor_blocks(gtab, ntensor, numels)
+        nblk = blocks.numel() // 3
+        parts = self._parts(nblk)
+        if nblk:
+            run(_prepare_kernel, (nblk,), blocks, gt, e, m, parts, beta1, s, GENERAL=True,
+                BLOCK=FULL_BLOCK, **_OPTS)
+        return parts.sum()
+
+    def _add_scaled_grads(self, ntensor, gtab, numels, e, s) -> torch.Tensor:
+        blocks, gt = self._tensor_blocks(gtab, ntensor, numels)
+        nblk = blocks.numel() // 3
+        parts = self._parts(nblk)
+        if nblk:
+            run(_prepare_kernel, (nblk,), blocks, gt, e, 0, parts, 0.0, s, GENERAL=False,
+                BLOCK=FULL_BLOCK, **_OPTS)
+        return parts.sum()
+
+    def scape_prepare_replicated(self, ntensor, gtab, numels, e, m, pidx, kp, ptab, npseg,
+                                 beta1, s):
+        sq = self._add_scaled_grads(ntensor, gtab, numels, e, s)
+        blocks, pt = self._segment_blocks(ptab, npseg, 4)
+        nblk = blocks.numel() // 2
+        if nblk:
+            parts = self._parts(nblk)
+            run(_prepare_fix_kernel, (nblk,), blocks, pt, pidx, e, m, parts, beta1, s,
+                BLOCK=K_BLOCK, **_OPTS)
+            sq = sq + parts.sum()
+        return sq
+
+    def scape_prepare_sharded(self, ntensor, gtab, numels, e, rho, m, pidx_own, kp, beta1, s):
+        sq = self._add_scaled_grads(ntensor, gtab, numels, e, s)
+        if kp:
+            run(_rho_kernel, (triton.cdiv(kp, K_BLOCK),), pidx_own, kp, rho, m, beta1,
+                BLOCK=K_BLOCK, **_OPTS)
+        return sq
+
+    def scape_gather(self, k, idx, base, src, values):
+        if k:
+            run(_gather_kernel, (triton.cdiv(k, K_BLOCK),), k, idx, base, src, values,
+                BLOCK=K_BLOCK)
+
+    def scape_ghat(self, k, idx, base, b, rho, m, beta1, d):
+        nblk = triton.cdiv(k, K_BLOCK)
+        parts = self._parts(nblk)
+        if k:
+            run(_ghat_kernel, (nblk,), k, idx, base, b, rho or 0, m, parts, -beta1, d,
+                HAS_RHO=rho is not None, BLOCK=K_BLOCK, **_OPTS)
+        return parts.sum()
+
+    def scape_adams(self, idx, j0, k, base, ghat, m, mlen, zidx, kz, ttab, nseg, out, work,
+                    coef, clip, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, bias):
+        if k:    # m at the mask, read before m is zeroed on its old support
+            run(_gather_kernel, (triton.cdiv(k, K_BLOCK),), k, idx + 8 * j0, base, m, work,
+                BLOCK=K_BLOCK)
+        if kz < 0:
+            run(_zero_kernel, (triton.cdiv(mlen, FULL_BLOCK),), m, mlen, BLOCK=FULL_BLOCK)
+        elif kz:
+            self.scape_fill(m, zidx, kz, 0.0)
+        blocks, tt = self._segment_blocks(ttab, nseg, 4)
+        nblk = blocks.numel() // 2
+        if not nblk:
+            return
+        if not isinstance(coef, torch.Tensor):
+            coef = torch.tensor([coef], dtype=torch.float32, device=self.device)
+        run(_adams_kernel, (nblk,), blocks, tt, idx, j0, base, ghat, m, out or 0, work,
+            coef.reshape(1).to(torch.float32), beta1, beta2, omb1, omb2,
+            bc1, sqrt_bc2, eps, ns, CLIP=bool(clip), HAS_OUT=out is not None,
+            BIAS=int(bias), BLOCK=K_BLOCK, **_OPTS)
+
+    def scape_fill(self, dst, idx, k, value):
+        nblk = triton.cdiv(k, K_BLOCK)
+        parts = self._parts(nblk)
+        if k:
+            run(_fill_kernel, (nblk,), dst, idx, k, value, parts, BLOCK=K_BLOCK)
+        return parts.sum()
+
+    def scape_scatter_params(self, idx, stab, nseg, values):
+        blocks, st = self._segment_blocks(stab, nseg, 5)
+        nblk = blocks.numel() // 2
+        if nblk:
+            run(_scatter_params_kernel, (nblk,), blocks, st, idx, values, BLOCK=K_BLOCK)
+
+    def scape_count_at(self, mask, idx, k):
+        nblk = triton.cdiv(k, K_BLOCK)
+        parts = self._parts(nblk, torch.int64)
+        if k:
+            run(_count_at_kernel, (nblk,), mask, idx, k, parts, BLOCK=K_BLOCK)
+        return parts.sum()

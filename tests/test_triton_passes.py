@@ -1,0 +1,113 @@
+"""The fused step's Triton passes (``triton_passes.py``, the CUDA twin of the C loops), run here
+under ``TRITON_INTERPRET=1`` (tests/conftest.py) through the seam the engine uses
+(``passes.lib``; ``use_triton=on`` picks them on CPU tensors).
+
+Both libraries compute the same fp32 ops in the same order, with correctly rounded division and
+square root and no FMA contraction, so parameters, momentum and residuals agree bit for bit; only
+the float64 sums (‖ĝ‖², the residual-norm metric) are added in another order. Against the torch
+ops (the path CUDA ran before) the usual fused-step tolerance applies (tests/test_scape_fused.py).
+The Triton path must also keep NCCL's rule: nothing read back to the host after step 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scape_train.optim.config import OptimizerConfig
+from scape_train.optim.scape import native, passes
+from scape_train.profiling import DeviceOpCounter
+
+from ._dist import run_distributed
+from ._optim_common import batch, flat_params, loss_fn, make, train_step
+
+pytestmark = pytest.mark.skipif(native.lib(torch.zeros(1)) is None,
+                                reason="needs the C loops to compare with (a C compiler)")
+
+
+def _cfg(use_triton: str, **kw) -> OptimizerConfig:
+    base = dict(name="scape", lr=1e-2, density=0.2, density_schedule="geometric",
+                density_warmup_steps=2, clip_grad=0.05)
+    base.update(kw)
+    return OptimizerConfig(**base, use_triton=use_triton)
+
+
+def _run(cfg: OptimizerConfig, rank: int, steps: int) -> dict:
+    s, w, _ = make(cfg)
+    metrics = [train_step(s, w, t, rank) for t in range(1, steps + 1)]
+    state = {k: v.clone() for k, v in s.engine.full_state().items()}
+    out = dict(p=flat_params(w), state=state, mask=s.mask_cur.clone(), metrics=metrics,
+               fast=s.engine.fast)
+    s.close()
+    return out
+
+
+def _triton_vs_c(rank: int, steps: int = 5, **kw) -> tuple[dict, dict]:
+    return _run(_cfg("on", **kw), rank, steps), _run(_cfg("off", **kw), rank, steps)
+
+
+def _assert_same(tri: dict, c: dict) -> None:
+    assert tri["fast"] and c["fast"]
+    assert torch.equal(tri["mask"], c["mask"])
+    assert torch.equal(tri["p"], c["p"])
+    for k, v in c["state"].items():
+        assert torch.equal(tri["state"][k], v), k
+    for mt, mc in zip(tri["metrics"], c["metrics"]):
+        for k in ("grad_norm", "scape/residual_norm", "scape/payload_numel"):
+            assert mt[k] == pytest.approx(mc[k], rel=1e-12, abs=1e-15), k
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("bias_correction", ["adam", "official", "none"])
+def test_triton_passes_equal_the_c_loops_bit_for_bit(sharded, bias_correction):
+    _assert_same(*_triton_vs_c(0, sharded=sharded, bias_correction=bias_correction))
+    assert any(name.startswith("scape_") for lib in passes._triton_libs.values()
+               for name in vars(lib)), "the Triton passes did not run"
+
+
+def test_triton_passes_equal_the_torch_ops(monkeypatch):
+    """Against the torch ops the CUDA path ran before (C loops off)."""
+    tri = _run(_cfg("on", clip_grad=0.0), 0, 5)
+    monkeypatch.setenv("SCAPE_NATIVE", "0")
+    ref = _run(_cfg("off", clip_grad=0.0), 0, 5)
+    assert torch.equal(tri["mask"], ref["mask"])
+    for a, b in [(tri["p"], ref["p"])] + [(tri["state"][k], v) for k, v in ref["state"].items()]:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()) + 1e-12)
+
+
+def _dist_worker(rank, world, sharded, partitioner):
+    return _triton_vs_c(rank, steps=4, sharded=sharded, partitioner=partitioner)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world,sharded,partitioner", [
+    pytest.param(3, True, "flat", marks=pytest.mark.slow), (2, False, "tensor")])
+def test_triton_passes_equal_the_c_loops_distributed(world, sharded, partitioner):
+    for tri, c in run_distributed(_dist_worker, world, (sharded, partitioner)):
+        _assert_same(tri, c)
+
+
+def _sync_worker(rank, world, sharded):
+    from scape_train.optim.scape import kernels
+
+    kernels.HOST_READS_ON_CPU = False     # the static-size path CUDA runs around the passes
+    s, w, _ = make(_cfg("on", sharded=sharded, density_warmup_steps=0), width=64)
+    out = []
+    for t in range(1, 5):
+        x, y = batch(t, rank)
+        loss_fn(w, x, y).backward()
+        with DeviceOpCounter() as ops:
+            s.step(1e-3)
+        s.zero_grad()
+        out.append((dict(ops.sync_sites), dict(ops.ops)))
+    s.close()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_triton_passes_read_nothing_back_to_the_host(sharded):
+    for steps in run_distributed(_sync_worker, 2, (sharded,)):
+        for syncs, calls in steps[1:]:
+            assert syncs == {}
+            assert calls.get("triton::scape_adams", 0) >= 1     # the passes ran, and were counted
