@@ -319,6 +319,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._init_fused()
         self._zero_pending = False
         self._c_sq: float | None = None     # Σ c² from the C prepare
+        self._cut = None                    # Σ_M c² from the C / Triton payload gather
 
     def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
         """``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
@@ -327,7 +328,10 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         if not self.fast:
             return super().prepare(g, mask)
         beta1 = self.cfg.betas[0]
-        e = self.residual.tensor()
+        # with m's support known, every branch writes e there before reading it: the previous
+        # step's deferred fold (e[M] = 0, finish_step) is skipped, not applied
+        e = (self.residual.tensor() if self._pidx is None
+             else self.residual.overwriting(self._pidx))
         self._c_sq = None
         lib = self._native(g)
         if self._pidx is None and lib is not None:   # the general line below, in C
@@ -403,7 +407,8 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         positions, the momentum; the all-reduce and the weight decay as on the torch path."""
         cfg, c, m = self.cfg, self._c, self.m
         payload = torch.empty(k, dtype=torch.float32, device=c.device)
-        lib.scape_gather(k, native.ptr(idx), 0, native.ptr(c), native.ptr(payload))
+        self._cut = lib.scape_gather(k, native.ptr(idx), 0, native.ptr(c),
+                                     native.ptr(payload))    # and Σ_M c², for the metric
         _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
                     during_payload)
         sq = lib.scape_ghat(k, native.ptr(idx), 0, native.ptr(payload), None, native.ptr(m),
@@ -425,19 +430,18 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         """After the next mask's top-k: ``e[M] ← 0`` (O(k)) and the residual-norm metric."""
         if not self.fast:
             return {}
-        e = self.residual.tensor()
         c_sq, self._c_sq = self._c_sq, None
+        cut, self._cut = self._cut, None
         if self._zero_pending:
-            lib = self._native()
-            if lib is not None:
-                cut = lib.scape_fill(native.ptr(e), native.ptr(self._idx), self._idx.numel(), 0.0)
-                if c_sq is not None:    # ‖(1-M)⊙c‖² = Σ c² - Σ_M c², both summed in double
-                    self._zero_pending = False
-                    return {"scape/residual_norm": _root(c_sq, cut)}
-            else:
-                e.index_fill_(0, self._idx, 0.0)
             self._zero_pending = False
-        return {"scape/residual_norm": torch.linalg.vector_norm(e).double()}
+            if c_sq is not None and cut is not None:
+                # ‖(1-M)⊙c‖² = Σ c² - Σ_M c² (the prepare's and the payload gather's sums, in
+                # double); the fold e[M] = 0 itself is deferred: the next prepare overwrites
+                # those positions (m's support), any other reader of e gets it applied
+                self.residual.defer_zero(self._idx)
+                return {"scape/residual_norm": _root(c_sq, cut)}
+            self.residual.tensor().index_fill_(0, self._idx, 0.0)
+        return {"scape/residual_norm": torch.linalg.vector_norm(self.residual.tensor()).double()}
 
     def load_range_state(self, momentum, shared, residual) -> None:
         super().load_range_state(momentum, shared, residual)
@@ -464,17 +468,17 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         eps_ = self.residual.tensor()
         lib = self._native(g) if self._pidx is not None else None
         self._x_sq = None
-        if lib is not None:                                  # ε ← x, ρ ← base, in C
+        if lib is not None:            # ε ← x, ρ ← base and c^(o) = base + x^(o), in one pass
             gtab, numels = self._grad_table(g)
             p = self._pidx_own
-            self._x_sq = lib.scape_prepare_sharded(
-                len(g), native.ptr(gtab), native.ptr(numels), native.ptr(eps_),
-                native.ptr(self.rho), native.ptr(self.m), native.ptr(p), p.numel(), beta1,
-                1.0 - beta1)
-            self._x = eps_
             (cand,) = self._cand_pool.get(((self.hi - self.lo,), torch.float32),
                                           device=eps_.device)
-            return torch.add(self.rho, eps_[self.lo:self.hi], out=cand)
+            self._x_sq = lib.scape_prepare_sharded(
+                len(g), native.ptr(gtab), native.ptr(numels), native.ptr(eps_),
+                native.ptr(self.rho), native.ptr(self.m), native.ptr(p), p.numel(), self.lo,
+                self.hi, native.ptr(cand), beta1, 1.0 - beta1)
+            self._x = eps_
+            return cand
         self._add_scaled_grads(eps_, g)                      # ε ← x
         if self._pidx is None:
             self.rho = torch.mul(self.m, beta1).add_(self.rho)
@@ -566,10 +570,11 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         cfg, x, comm, m = self.cfg, self._x, self.comm, self.m
         world, rank, lo = comm.world, comm.rank, self.lo
         send = torch.zeros(world, width, dtype=torch.float32, device=x.device)
-        for r, k in enumerate(counts):
+        cut = 0.0
+        for r, k in enumerate(counts):   # the payload rows, and ε = (1-M)⊙x in the same pass
             if k:
-                lib.scape_gather(k, native.ptr(idx[starts[r]:starts[r] + k]), 0, native.ptr(x),
-                                 native.ptr(send[r]))
+                cut = cut + lib.scape_take(k, native.ptr(idx[starts[r]:starts[r] + k]),
+                                           native.ptr(x), native.ptr(send[r]))
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
         _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True,
                                         async_op=True), during_payload)
@@ -583,7 +588,6 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         comm.all_reduce(sq_t, kind="norm", average=False)
         norm = sq_t.sqrt()[0]
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
-        cut = lib.scape_fill(native.ptr(x), native.ptr(idx), idx.numel(), 0.0)  # ε = (1-M)⊙x
         x_sq, self._x_sq = self._x_sq, None
         res = (torch.linalg.vector_norm(x).double() if x_sq is None else _root(x_sq, cut))
         mi = self._index(idx, seg_counts)

@@ -33,6 +33,30 @@ class ResidualStore:
         else:
             self._host = None
             self._dev = torch.zeros(numel, dtype=torch.float32, device=device)
+        self._deferred: torch.Tensor | None = None     # see defer_zero
+
+    # -- the fused step's fold, deferred -------------------------------------------------------
+    def defer_zero(self, idx: torch.Tensor) -> None:
+        """``e[idx] = 0``, left to whoever reads ``e`` next. The fused replicated step's fold
+        ``e = (1-M)⊙c``: its next prepare writes every position of ``idx`` (they are m's
+        support) before reading it, so the fold's pass is skipped there (:meth:`overwriting`);
+        every other reader (checkpoints, state, tests, the reference path) gets it applied."""
+        assert self._host is None, "the fused step does not run on an offloaded residual"
+        self._settle()
+        self._deferred = idx
+
+    def overwriting(self, idx: torch.Tensor) -> torch.Tensor:
+        """The residual, for a pass that writes ``e[idx]`` before reading it: a deferred zero at
+        exactly ``idx`` is dropped (the pass overwrites it), any other is applied first."""
+        if self._deferred is not idx:
+            self._settle()
+        self._deferred = None
+        return self._dev
+
+    def _settle(self) -> None:
+        if self._deferred is not None:
+            self._dev.index_fill_(0, self._deferred, 0.0)
+            self._deferred = None
 
     def _each(self, fn, writeback: bool = True) -> None:
         if self._host is not None:
@@ -46,6 +70,7 @@ class ResidualStore:
         Returns ``||e_new||²`` as a float64 device tensor, not read on the host (0 when the mask
         was not given and ``e`` was only read).
         """
+        self._settle()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
 
         def fn(s: int, e: int, chunk: torch.Tensor) -> None:
@@ -59,6 +84,7 @@ class ResidualStore:
 
     def set_from(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``e = (1 - M) ⊙ w`` (the first step, when the mask is known only after ``w``)."""
+        self._deferred = None       # every position is written
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
 
         def fn(s: int, e: int, chunk: torch.Tensor) -> None:
@@ -73,6 +99,7 @@ class ResidualStore:
         """``e[M] = values`` (compact, in mask order; ``count`` ones) where ``e`` is 0 on the mask
         (after :meth:`fold` / :meth:`set_from`): a low-precision payload's quantization error.
         Returns ``||values||²`` (float64 device tensor), what ``||e||²`` grows by."""
+        self._settle()
         if self._host is None:
             scatter_masked(values, mask, self._dev, backend=backend, count=count)
         else:
@@ -87,6 +114,7 @@ class ResidualStore:
 
     def full(self) -> torch.Tensor:
         """A device copy of the whole residual (checkpoints, tests)."""
+        self._settle()
         if self._host is not None:
             return self._host.host.to(self.device, copy=True)
         return self._dev.clone()
@@ -94,17 +122,20 @@ class ResidualStore:
     def tensor(self) -> torch.Tensor:
         """The residual itself, not copied: the device tensor, or the host buffer when offloaded
         (up to date between steps). Checkpoints write it as it is."""
+        self._settle()
         return self._host.host if self._host is not None else self._dev
 
     def load(self, flat: torch.Tensor) -> None:
         if flat.numel() != self.numel:
             raise ValueError(f"residual has {flat.numel()} elements, expected {self.numel}")
+        self._deferred = None
         if self._host is not None:
             self._host.host.copy_(flat.reshape(-1).cpu())
         else:
             self._dev.copy_(flat.reshape(-1))
 
     def zero_(self) -> None:
+        self._deferred = None
         if self._host is not None:
             self._host.zero_()
         else:

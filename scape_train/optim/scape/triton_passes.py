@@ -63,9 +63,10 @@ def _sq_sum(x, keep):
 
 
 @triton.jit
-def _prepare_kernel(blocks, gtab, e_addr, m_addr, parts, beta1, s, GENERAL: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """c = e + s·g (GENERAL: (β1·m + s·g) + e) on one block of one tensor; e ← c; Σ c²."""
+def _prepare_kernel(blocks, gtab, e_addr, m_addr, parts, beta1, s, lo, hi, rho_addr, cand_addr,
+                    GENERAL: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """c = e + s·g (GENERAL: (β1·m + s·g) + e) on one block of one tensor; e ← c; Σ c². CAND
+    (sharded): on the own range [lo, hi) also cand[f - lo] = ρ[f - lo] + c."""
     pid = tl.program_id(0)
     t = tl.load(blocks + 3 * pid)
     offs = tl.load(blocks + 3 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
@@ -80,6 +81,11 @@ def _prepare_kernel(blocks, gtab, e_addr, m_addr, parts, beta1, s, GENERAL: tl.c
     else:
         c = e + s * g
     tl.store(e_ptr, c, mask=keep)
+    if CAND:
+        f = tl.load(gtab + 2 * t + 1) + offs - lo
+        own = keep & (f >= 0) & (f < hi - lo)
+        r = tl.load(_f32(rho_addr) + f, mask=own, other=0.0)
+        tl.store(_f32(cand_addr) + f, r + c, mask=own)
     tl.store(parts + pid, _sq_sum(c, keep))
 
 
@@ -111,11 +117,18 @@ def _rho_kernel(pidx_addr, k, rho_addr, m_addr, beta1, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gather_kernel(k, idx_addr, base, src_addr, out_addr, BLOCK: tl.constexpr):
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _gather_kernel(k, idx_addr, base, src_addr, out_addr, parts, TAKE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """out[j] = src[idx[j] - base] (TAKE: then src[...] = 0); Σ out²."""
+    pid = tl.program_id(0)
+    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = j < k
     i = tl.load(_i64(idx_addr) + j, mask=keep, other=0) - base
-    tl.store(_f32(out_addr) + j, tl.load(_f32(src_addr) + i, mask=keep), mask=keep)
+    v = tl.load(_f32(src_addr) + i, mask=keep, other=0.0)
+    tl.store(_f32(out_addr) + j, v, mask=keep)
+    if TAKE:
+        tl.store(_f32(src_addr) + i, tl.zeros_like(v), mask=keep)
+    tl.store(parts + pid, _sq_sum(v, keep))
 
 
 @triton.jit
@@ -293,17 +306,18 @@ class TritonPasses:
         nblk = blocks.numel() // 3
         parts = self._parts(nblk)
         if nblk:
-            run(_prepare_kernel, (nblk,), blocks, gt, e, m, parts, beta1, s, GENERAL=True,
-                BLOCK=FULL_BLOCK, **_OPTS)
+            run(_prepare_kernel, (nblk,), blocks, gt, e, m, parts, beta1, s, 0, 0, 0, 0,
+                GENERAL=True, CAND=False, BLOCK=FULL_BLOCK, **_OPTS)
         return parts.sum()
 
-    def _add_scaled_grads(self, ntensor, gtab, numels, e, s) -> torch.Tensor:
+    def _add_scaled_grads(self, ntensor, gtab, numels, e, s, lo=0, hi=0, rho=None, cand=None
+                          ) -> torch.Tensor:
         blocks, gt = self._tensor_blocks(gtab, ntensor, numels)
         nblk = blocks.numel() // 3
         parts = self._parts(nblk)
         if nblk:
-            run(_prepare_kernel, (nblk,), blocks, gt, e, 0, parts, 0.0, s, GENERAL=False,
-                BLOCK=FULL_BLOCK, **_OPTS)
+            run(_prepare_kernel, (nblk,), blocks, gt, e, 0, parts, 0.0, s, lo, hi, rho or 0,
+                cand or 0, GENERAL=False, CAND=cand is not None, BLOCK=FULL_BLOCK, **_OPTS)
         return parts.sum()
 
     def scape_prepare_replicated(self, ntensor, gtab, numels, e, m, pidx, kp, ptab, npseg,
@@ -318,17 +332,26 @@ class TritonPasses:
             sq = sq + parts.sum()
         return sq
 
-    def scape_prepare_sharded(self, ntensor, gtab, numels, e, rho, m, pidx_own, kp, beta1, s):
-        sq = self._add_scaled_grads(ntensor, gtab, numels, e, s)
-        if kp:
+    def scape_prepare_sharded(self, ntensor, gtab, numels, e, rho, m, pidx_own, kp, lo, hi,
+                              cand, beta1, s):
+        if kp:       # first: the candidate reads ρ
             run(_rho_kernel, (triton.cdiv(kp, K_BLOCK),), pidx_own, kp, rho, m, beta1,
                 BLOCK=K_BLOCK, **_OPTS)
-        return sq
+        return self._add_scaled_grads(ntensor, gtab, numels, e, s, lo, hi, rho, cand)
 
     def scape_gather(self, k, idx, base, src, values):
+        return self._gather(k, idx, base, src, values, False)
+
+    def scape_take(self, k, idx, src, values):
+        return self._gather(k, idx, 0, src, values, True)
+
+    def _gather(self, k, idx, base, src, values, take: bool) -> torch.Tensor:
+        nblk = triton.cdiv(k, K_BLOCK)
+        parts = self._parts(nblk)
         if k:
-            run(_gather_kernel, (triton.cdiv(k, K_BLOCK),), k, idx, base, src, values,
+            run(_gather_kernel, (nblk,), k, idx, base, src, values, parts, TAKE=take,
                 BLOCK=K_BLOCK)
+        return parts.sum()
 
     def scape_ghat(self, k, idx, base, b, rho, m, beta1, d):
         nblk = triton.cdiv(k, K_BLOCK)
@@ -341,8 +364,7 @@ class TritonPasses:
     def scape_adams(self, idx, j0, k, base, ghat, m, mlen, zidx, kz, ttab, nseg, out, work,
                     coef, clip, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, bias):
         if k:    # m at the mask, read before m is zeroed on its old support
-            run(_gather_kernel, (triton.cdiv(k, K_BLOCK),), k, idx + 8 * j0, base, m, work,
-                BLOCK=K_BLOCK)
+            self._gather(k, idx + 8 * j0, base, m, work, False)
         if kz < 0:
             run(_zero_kernel, (triton.cdiv(mlen, FULL_BLOCK),), m, mlen, BLOCK=FULL_BLOCK)
         elif kz:

@@ -41,8 +41,9 @@ _SIGNATURES = {
     "scape_mask_encode": (_I, [_I, _P, _P, _P, _I]),
     "scape_prepare_replicated": (_D, [_I, _P, _P, _P, _P, _P, _I, _P, _I, _F, _F]),
     "scape_prepare_replicated_general": (_D, [_I, _P, _P, _P, _P, _F, _F]),
-    "scape_prepare_sharded": (_D, [_I, _P, _P, _P, _P, _P, _P, _I, _F, _F]),
-    "scape_gather": (None, [_I, _P, _I, _P, _P]),
+    "scape_prepare_sharded": (_D, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _F, _F]),
+    "scape_gather": (_D, [_I, _P, _I, _P, _P]),
+    "scape_take": (_D, [_I, _P, _P, _P]),
     "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _F, _F]),
     "scape_adams": (None, [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _F,
                            ctypes.c_int, _F, _F, _F, _F, _F, _F, _F, _F, ctypes.c_int]),
@@ -73,9 +74,11 @@ _TRAFFIC = {
     "scape_prepare_replicated": lambda nt, gtab, numels, e, m, pidx, kp, *_:
         12 * sum(_i64s(numels, nt)) + 24 * kp,
     "scape_prepare_replicated_general": lambda nt, gtab, numels, *_: 16 * sum(_i64s(numels, nt)),
-    "scape_prepare_sharded": lambda nt, gtab, numels, e, rho, m, pidx, kp, *_:
-        12 * sum(_i64s(numels, nt)) + 20 * kp,
+    # ... and on the own range ρ read, the candidate written; at m's support idx, m, ρ
+    "scape_prepare_sharded": lambda nt, gtab, numels, e, rho, m, pidx, kp, lo, hi, *_:
+        12 * sum(_i64s(numels, nt)) + 8 * (hi - lo) + 16 * kp,
     "scape_gather": lambda k, *_: 16 * k,
+    "scape_take": lambda k, *_: 20 * k,     # idx, src read, values and src written
     "scape_ghat": lambda k, idx, base, b, rho, *_: (20 if rho is None else 28) * k,
     # idx, m gathered, ĝ read and written, θ read and written, the update written and read, m
     # written; m zeroed at its old support (all of m when unknown)

@@ -234,20 +234,72 @@ double scape_prepare_replicated_general(i64 ntensor, const i64 *gtab, const i64 
 /* Sharded prepare: ε += round(s·g) on every tensor (as above, ``e`` = ε); at the owner's
  * previous-mask positions ρ[i] = β1·m[i] (``pidx_own``: indices into the owned range).
  * Returns Σ ε² (the new x = (1-β1)·g + ε). */
+/* Sharded prepare: ρ[i] = β1·m[i] at the owner's m support ``pidx_own`` (indices into the own
+ * range [lo, hi), which ρ and m cover); then ε += round(s·g) on every tensor, and on the own range
+ * the candidate cand[f - lo] = ρ[f - lo] + ε[f] in the same pass. Returns Σ ε² (new ε). */
 double scape_prepare_sharded(i64 ntensor, const i64 *gtab, const i64 *numels, float *e,
-                             float *rho, const float *m, const i64 *pidx_own, i64 kp,
-                             float beta1, float s) {
-    double sq = add_scaled_grads(ntensor, gtab, numels, e, s);
+                             float *rho, const float *m, const i64 *pidx_own, i64 kp, i64 lo,
+                             i64 hi, float *cand, float beta1, float s) {
     for (i64 j = 0; j < kp; j++) {
         i64 i = pidx_own[j];
         rho[i] = m[i] * beta1;
     }
+    double sq = 0.0;
+    for (i64 t = 0; t < ntensor; t++) {
+        const float *g = (const float *)(intptr_t)gtab[2 * t];
+        i64 off = gtab[2 * t + 1], n = numels[t];
+        float *et = e + off;
+        i64 a = lo - off, b = hi - off;            /* the own range, in this tensor */
+        a = a < 0 ? 0 : (a > n ? n : a);
+        b = b < a ? a : (b > n ? n : b);
+#pragma omp simd reduction(+ : sq)
+        for (i64 i = 0; i < a; i++) {
+            float y = et[i] + s * g[i];
+            et[i] = y;
+            sq += (double)y * (double)y;
+        }
+        const float *rt = rho + (off - lo);
+        float *ct = cand + (off - lo);
+#pragma omp simd reduction(+ : sq)
+        for (i64 i = a; i < b; i++) {
+            float y = et[i] + s * g[i];
+            et[i] = y;
+            ct[i] = rt[i] + y;
+            sq += (double)y * (double)y;
+        }
+#pragma omp simd reduction(+ : sq)
+        for (i64 i = b; i < n; i++) {
+            float y = et[i] + s * g[i];
+            et[i] = y;
+            sq += (double)y * (double)y;
+        }
+    }
     return sq;
 }
 
-/* values[j] = src[idx[j] - base] (a gather: the payload, or the candidate at the mask) */
-void scape_gather(i64 k, const i64 *idx, i64 base, const float *src, float *values) {
-    for (i64 j = 0; j < k; j++) values[j] = src[idx[j] - base];
+/* values[j] = src[idx[j] - base] (a gather: the payload, or the candidate at the mask); returns
+ * Σ values² (the mask's share of ‖c‖², for the residual-norm metric) */
+double scape_gather(i64 k, const i64 *idx, i64 base, const float *src, float *values) {
+    double sq = 0.0;
+    for (i64 j = 0; j < k; j++) {
+        float v = src[idx[j] - base];
+        values[j] = v;
+        sq += (double)v * (double)v;
+    }
+    return sq;
+}
+
+/* values[j] = src[idx[j]], then src[idx[j]] = 0: the sharded payload gathered and ε folded,
+ * ε = (1-M)⊙x, in one pass; returns Σ values² */
+double scape_take(i64 k, const i64 *idx, float *src, float *values) {
+    double sq = 0.0;
+    for (i64 j = 0; j < k; j++) {
+        float v = src[idx[j]];
+        values[j] = v;
+        src[idx[j]] = 0.0f;
+        sq += (double)v * (double)v;
+    }
+    return sq;
 }
 
 /* ĝ from the averaged payload, in place: with t = b[j] (+ ρ[i], sharded, then ρ[i] = 0),
