@@ -169,3 +169,31 @@ def test_next_topk_runs_while_the_payload_collective_is_in_flight(sharded, c_loo
         train_step(s, w, t, 0)
     assert s.engine.fast
     assert events == [("start", True), "top-k", "wait"]
+
+
+def test_the_deferred_fold_is_skipped_by_the_next_prepare_and_applied_for_any_other_reader():
+    """The replicated C/Triton step leaves ``e[M] = 0`` to the next reader: the next prepare
+    overwrites those positions and skips it; state readers get it applied. Stepping without
+    reading any state in between (so the skip is taken every step) must still equal the
+    reference engine."""
+    if native.lib(torch.zeros(1)) is None:
+        pytest.skip("needs the C loops")
+    ref, w_ref, _ = make(_cfg(scape_impl="reference", density_warmup_steps=0))
+    fus, w_fus, _ = make(_cfg(scape_impl="fused", density_warmup_steps=0))
+    store = fus.engine.residual
+    skipped = []
+    overwriting = store.overwriting
+    store.overwriting = lambda idx: (skipped.append(store._deferred is idx), overwriting(idx))[1]
+    for t in range(1, 7):
+        train_step(ref, w_ref, t, 0)
+        train_step(fus, w_fus, t, 0)
+    assert skipped and all(skipped)            # every prepare after step 1 skipped the fold
+    assert store._deferred is not None
+    mask = fus.mask_cur
+    assert torch.equal(mask, ref.mask_cur)
+    e = store.full()                            # a reader: the fold is applied
+    assert store._deferred is None and not e[mask].any()
+    _close(flat_params(w_ref), flat_params(w_fus))
+    sr, sf = ref.engine.full_state(), fus.engine.full_state()
+    for k in sr:
+        _close(sr[k], sf[k], msg=k)
