@@ -220,3 +220,44 @@ def test_decode_reuses_only_buffers_nothing_holds():
     assert m4.data_ptr() == ptr1 and m4.data_ptr() in {g[0].data_ptr()
                                                        for g in plan._pool._groups}
     assert torch.equal(m4, m2)
+
+
+@pytest.mark.parametrize("kind", ["add", "general", "cand"])
+def test_full_size_prepares_are_the_same_on_any_number_of_threads(kind):
+    """The prepare's full pass splits the flat space over torch's thread count: e (and the
+    sharded candidate) bit for bit whatever the split, the square sum to rounding. Tensors of odd
+    sizes so that thread ranges start and end inside tensors and inside the own range."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = [300_001, 7, 650_003, 1, 420_000]
+    offs = [sum(sizes[:i]) for i in range(len(sizes))]
+    total = sum(sizes)
+    grads = [torch.randn(n, generator=gen) for n in sizes]
+    gtab = native.table([[g.data_ptr(), o] for g, o in zip(grads, offs)], 2)
+    numels = torch.tensor(sizes, dtype=torch.int64)
+    e0, m = torch.randn(total, generator=gen), torch.randn(total, generator=gen)
+    lo, hi = 123_457, 1_001_001                     # an own range crossing three tensors
+    runs = []
+    for nthreads in (1, 2, 3, 5):
+        e = e0.clone()
+        cand = torch.full((hi - lo,), float("nan"))
+        rho = m[lo:hi].clone()
+        if kind == "general":
+            sq = LIB.scape_prepare_replicated_general(len(sizes), native.ptr(gtab),
+                                                      native.ptr(numels), native.ptr(e),
+                                                      native.ptr(m), 0.9, 0.1, nthreads)
+        elif kind == "add":
+            sq = LIB.scape_prepare_replicated(len(sizes), native.ptr(gtab), native.ptr(numels),
+                                              native.ptr(e), native.ptr(m), None, 0, None, 0,
+                                              0.9, 0.1, nthreads)
+        else:
+            sq = LIB.scape_prepare_sharded(len(sizes), native.ptr(gtab), native.ptr(numels),
+                                           native.ptr(e), native.ptr(rho), native.ptr(m), None,
+                                           0, lo, hi, native.ptr(cand), 0.9, 0.1, nthreads)
+        runs.append((e, cand, sq))
+    g = torch.cat(grads)
+    want = (m * 0.9 + g * 0.1) + e0 if kind == "general" else e0 + g * 0.1
+    for e, cand, sq in runs:
+        assert torch.equal(e, want)
+        assert sq == pytest.approx(float(want.double().square().sum()), rel=1e-12)
+        if kind == "cand":
+            assert torch.equal(cand, m[lo:hi] + want[lo:hi])

@@ -338,7 +338,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             gtab, numels = self._grad_table(g)
             self._c_sq = lib.scape_prepare_replicated_general(
                 len(g), native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
-                beta1, 1.0 - beta1)
+                beta1, 1.0 - beta1, torch.get_num_threads())
         elif self._pidx is None:        # m may be nonzero anywhere (first step, after a load)
             w = torch._foreach_mul(self._views(self.m), beta1)
             torch._foreach_add_(w, g, alpha=1.0 - beta1)
@@ -351,7 +351,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             self._c_sq = lib.scape_prepare_replicated(
                 len(g), native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
                 native.ptr(self._pidx), self._pidx.numel(), native.ptr(ptab), ptab.shape[0],
-                beta1, 1.0 - beta1)                     # Σ c², for the residual-norm metric
+                beta1, 1.0 - beta1, torch.get_num_threads())   # Σ c², for the metric
         else:                           # m and e_{t-1}: nonzero on disjoint sets
             pidx = self._pidx
             c_p = self.m.index_select(0, pidx).mul_(beta1).add_(self._grads_at(g),
@@ -476,7 +476,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             self._x_sq = lib.scape_prepare_sharded(
                 len(g), native.ptr(gtab), native.ptr(numels), native.ptr(eps_),
                 native.ptr(self.rho), native.ptr(self.m), native.ptr(p), p.numel(), self.lo,
-                self.hi, native.ptr(cand), beta1, 1.0 - beta1)
+                self.hi, native.ptr(cand), beta1, 1.0 - beta1, torch.get_num_threads())
             self._x = eps_
             return cand
         self._add_scaled_grads(eps_, g)                      # ε ← x

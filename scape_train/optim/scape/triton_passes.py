@@ -12,6 +12,7 @@ per-segment tables as host int64 tables (``native.table``), fp32 scalars. What d
 - **Tables travel to the device** once per content: the per-tensor gradient table (pointers
   change when autograd allocates new gradients), the parameter tables (stable for a mask plan).
   Each is cached by its bytes, with the launch's block table beside it.
+- **No thread count**: the C prepares' last argument (host threads) is ignored here.
 - **Rounding as the C loops and torch**: ``enable_fp_fusion=False`` (no FMA contraction, as
   ``-ffp-contract=off``), ``div_rn``/``sqrt_rn`` (correctly rounded, where Triton's ``/`` and
   ``sqrt`` are approximate on the GPU), sums of squares in float64 (the order differs from the
@@ -301,7 +302,8 @@ class TritonPasses:
         return torch.zeros(max(n, 1), dtype=dtype, device=self.device)
 
     # -- the passes (native/scape_cpu.c's signatures) --------------------------------------
-    def scape_prepare_replicated_general(self, ntensor, gtab, numels, e, m, beta1, s):
+    def scape_prepare_replicated_general(self, ntensor, gtab, numels, e, m, beta1, s,
+                                         nthreads=1):
         blocks, gt = self._tensor_blocks(gtab, ntensor, numels)
         nblk = blocks.numel() // 3
         parts = self._parts(nblk)
@@ -321,7 +323,7 @@ class TritonPasses:
         return parts.sum()
 
     def scape_prepare_replicated(self, ntensor, gtab, numels, e, m, pidx, kp, ptab, npseg,
-                                 beta1, s):
+                                 beta1, s, nthreads=1):
         sq = self._add_scaled_grads(ntensor, gtab, numels, e, s)
         blocks, pt = self._segment_blocks(ptab, npseg, 4)
         nblk = blocks.numel() // 2
@@ -333,7 +335,7 @@ class TritonPasses:
         return sq
 
     def scape_prepare_sharded(self, ntensor, gtab, numels, e, rho, m, pidx_own, kp, lo, hi,
-                              cand, beta1, s):
+                              cand, beta1, s, nthreads=1):
         if kp:       # first: the candidate reads ρ
             run(_rho_kernel, (triton.cdiv(kp, K_BLOCK),), pidx_own, kp, rho, m, beta1,
                 BLOCK=K_BLOCK, **_OPTS)

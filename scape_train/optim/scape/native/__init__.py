@@ -31,7 +31,7 @@ import torch
 
 _SRC = Path(__file__).with_name("scape_cpu.c")
 _FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd",
-          "-std=c99"]
+          "-std=c99", "-pthread"]
 _ENV = "SCAPE_NATIVE"
 _state: dict = {}
 
@@ -39,9 +39,10 @@ _P, _I, _F, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_doubl
 _SIGNATURES = {
     "scape_mask_decode": (_I, [_I, _P, _P, _I, _P, _I, _P, _I]),
     "scape_mask_encode": (_I, [_I, _P, _P, _P, _I]),
-    "scape_prepare_replicated": (_D, [_I, _P, _P, _P, _P, _P, _I, _P, _I, _F, _F]),
-    "scape_prepare_replicated_general": (_D, [_I, _P, _P, _P, _P, _F, _F]),
-    "scape_prepare_sharded": (_D, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _F, _F]),
+    "scape_prepare_replicated": (_D, [_I, _P, _P, _P, _P, _P, _I, _P, _I, _F, _F, ctypes.c_int]),
+    "scape_prepare_replicated_general": (_D, [_I, _P, _P, _P, _P, _F, _F, ctypes.c_int]),
+    "scape_prepare_sharded": (_D, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _F, _F,
+                                   ctypes.c_int]),
     "scape_gather": (_D, [_I, _P, _I, _P, _P]),
     "scape_take": (_D, [_I, _P, _P, _P]),
     "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _F, _F]),

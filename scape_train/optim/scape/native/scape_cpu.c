@@ -14,6 +14,7 @@
  * (the loader checks): bit streams are little-endian inside bytes and fields (kernels.pack_bits).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -159,25 +160,132 @@ i64 scape_mask_encode(i64 nseg, const i64 *tab, const u8 *bits, u8 *shard, i64 l
     return 0;
 }
 
-/* e[i] += round(s·g[i]) over every tensor (``gtab``: 2 int64 per tensor: gradient pointer,
- * flat offset; ``numels`` per tensor; the gradients are read, not changed); returns Σ e², the
- * new residual's square norm (summed in double; the only reassociated sum: omp simd) */
-static double add_scaled_grads(i64 ntensor, const i64 *gtab, const i64 *numels, float *e,
-                               float s) {
+/* The full-size prepare passes, over every tensor (``gtab``: 2 int64 per tensor: gradient
+ * pointer, flat offset; ``numels`` per tensor; the gradients are read, not changed):
+ *   ADD      e += round(s·g)                                   (Σ e², the new residual's)
+ *   GENERAL  e = (β1·m + s·g) + e                              (Σ c²)
+ *   CAND     e += round(s·g), and on the own flat range [lo, hi) cand[f - lo] = ρ[f - lo] + e
+ * Split over ``nthreads`` threads by contiguous flat ranges (torch's intra-op thread count, from
+ * the caller): elementwise, so e and cand do not depend on the split; the double sum is added
+ * per thread, then in thread order (fixed for a given thread count). */
+enum { P_ADD = 0, P_GENERAL = 1, P_CAND = 2 };
+
+typedef struct {
+    int kind;
+    i64 ntensor;
+    const i64 *gtab, *numels;
+    float *e, *rho, *cand;
+    const float *m;
+    float beta1, s;
+    i64 lo, hi;             /* CAND: the own range */
+    i64 start, end;         /* this worker's flat range */
+    double sq;
+} prep_job;
+
+static double prep_span(const prep_job *j, const float *g, float *et, const float *mt, i64 a,
+                        i64 b) {
     double sq = 0.0;
-    for (i64 t = 0; t < ntensor; t++) {
-        const float *g = (const float *)(intptr_t)gtab[2 * t];
-        float *et = e + gtab[2 * t + 1];
-        i64 n = numels[t];
+    const float s = j->s, beta1 = j->beta1;
+    if (j->kind == P_GENERAL) {
 #pragma omp simd reduction(+ : sq)
-        for (i64 i = 0; i < n; i++) {
-            float x = s * g[i];
-            float y = et[i] + x;
+        for (i64 i = a; i < b; i++) {
+            float c = mt[i] * beta1 + s * g[i];
+            c = c + et[i];
+            et[i] = c;
+            sq += (double)c * (double)c;
+        }
+    } else {
+#pragma omp simd reduction(+ : sq)
+        for (i64 i = a; i < b; i++) {
+            float y = et[i] + s * g[i];
             et[i] = y;
             sq += (double)y * (double)y;
         }
     }
     return sq;
+}
+
+static void *prep_run(void *arg) {
+    prep_job *j = (prep_job *)arg;
+    double sq = 0.0;
+    for (i64 t = 0; t < j->ntensor; t++) {
+        i64 off = j->gtab[2 * t + 1], n = j->numels[t];
+        i64 a = j->start - off, b = j->end - off;          /* this worker's part of tensor t */
+        a = a < 0 ? 0 : a;
+        b = b > n ? n : b;
+        if (a >= b) continue;
+        const float *g = (const float *)(intptr_t)j->gtab[2 * t];
+        float *et = j->e + off;
+        const float *mt = j->m ? j->m + off : NULL;
+        if (j->kind != P_CAND) {
+            sq += prep_span(j, g, et, mt, a, b);
+            continue;
+        }
+        i64 oa = j->lo - off, ob = j->hi - off;             /* the own range, clipped */
+        oa = oa < a ? a : (oa > b ? b : oa);
+        ob = ob < oa ? oa : (ob > b ? b : ob);
+        sq += prep_span(j, g, et, mt, a, oa);
+        const float *rt = j->rho + (off - j->lo);
+        float *ct = j->cand + (off - j->lo);
+        const float s = j->s;
+#pragma omp simd reduction(+ : sq)
+        for (i64 i = oa; i < ob; i++) {
+            float y = et[i] + s * g[i];
+            et[i] = y;
+            ct[i] = rt[i] + y;
+            sq += (double)y * (double)y;
+        }
+        sq += prep_span(j, g, et, mt, ob, b);
+    }
+    j->sq = sq;
+    return NULL;
+}
+
+#define MAX_THREADS 64
+#define MIN_PER_THREAD (1 << 18)   /* below this, a thread costs more than it saves */
+
+static double prep_parallel(prep_job base, int nthreads) {
+    i64 total = 0;
+    for (i64 t = 0; t < base.ntensor; t++) {
+        i64 end = base.gtab[2 * t + 1] + base.numels[t];
+        total = end > total ? end : total;
+    }
+    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+    if ((i64)nthreads > total / MIN_PER_THREAD) nthreads = (int)(total / MIN_PER_THREAD);
+    if (nthreads < 1) nthreads = 1;
+    prep_job jobs[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    i64 chunk = (total + nthreads - 1) / nthreads;
+    for (int w = 0; w < nthreads; w++) {
+        jobs[w] = base;
+        jobs[w].start = w * chunk;
+        jobs[w].end = (w + 1) * chunk < total ? (w + 1) * chunk : total;
+        started[w] = w > 0 && pthread_create(&tid[w], NULL, prep_run, &jobs[w]) == 0;
+    }
+    prep_run(&jobs[0]);
+    double sq = jobs[0].sq;
+    for (int w = 1; w < nthreads; w++) {
+        if (started[w]) pthread_join(tid[w], NULL);
+        else prep_run(&jobs[w]);           /* no thread: the caller does its part */
+        sq += jobs[w].sq;
+    }
+    return sq;
+}
+
+static prep_job prep_job_of(int kind, i64 ntensor, const i64 *gtab, const i64 *numels, float *e,
+                            const float *m, float beta1, float s) {
+    prep_job j;
+    memset(&j, 0, sizeof j);
+    j.kind = kind;
+    j.ntensor = ntensor;
+    j.gtab = gtab;
+    j.numels = numels;
+    j.e = e;
+    j.m = m;
+    j.beta1 = beta1;
+    j.s = s;
+    return j;
 }
 
 /* Replicated prepare, m's support known (``pidx``: the previous mask's sorted flat indices):
@@ -186,8 +294,9 @@ static double add_scaled_grads(i64 ntensor, const i64 *gtab, const i64 *numels, 
  * over the whole candidate c (= e on return). */
 double scape_prepare_replicated(i64 ntensor, const i64 *gtab, const i64 *numels, float *e,
                                 const float *m, const i64 *pidx, i64 kp, const i64 *ptab,
-                                i64 npseg, float beta1, float s) {
-    double sq = add_scaled_grads(ntensor, gtab, numels, e, s);
+                                i64 npseg, float beta1, float s, int nthreads) {
+    double sq = prep_parallel(prep_job_of(P_ADD, ntensor, gtab, numels, e, NULL, 0.0f, s),
+                              nthreads);
     (void)kp;
     for (i64 q = 0; q < npseg; q++) {
         const i64 *r = ptab + 4 * q;
@@ -205,76 +314,29 @@ double scape_prepare_replicated(i64 ntensor, const i64 *gtab, const i64 *numels,
     return sq;
 }
 
-/* Replicated prepare with m's support unknown (the first fused step, after a load): on every
- * coordinate c = (β1·m + s·g) + e, rounded op by op -- on m's support (e = 0 there) and off it
- * (m = 0 there) exactly what scape_prepare_replicated computes, so that a resumed run and an
- * uninterrupted one stay bit for bit equal. Returns Σ c². */
+/* Replicated prepare, m's support unknown (the first step, after a load): the GENERAL pass */
 double scape_prepare_replicated_general(i64 ntensor, const i64 *gtab, const i64 *numels,
-                                        float *e, const float *m, float beta1, float s) {
-    double sq = 0.0;
-    for (i64 t = 0; t < ntensor; t++) {
-        const float *g = (const float *)(intptr_t)gtab[2 * t];
-        i64 off = gtab[2 * t + 1];
-        float *et = e + off;
-        const float *mt = m + off;
-        i64 n = numels[t];
-#pragma omp simd reduction(+ : sq)
-        for (i64 i = 0; i < n; i++) {
-            float a = mt[i] * beta1;
-            float b = s * g[i];
-            float c = a + b;
-            c = c + et[i];
-            et[i] = c;
-            sq += (double)c * (double)c;
-        }
-    }
-    return sq;
+                                        float *e, const float *m, float beta1, float s,
+                                        int nthreads) {
+    return prep_parallel(prep_job_of(P_GENERAL, ntensor, gtab, numels, e, m, beta1, s),
+                         nthreads);
 }
 
-/* Sharded prepare: ε += round(s·g) on every tensor (as above, ``e`` = ε); at the owner's
- * previous-mask positions ρ[i] = β1·m[i] (``pidx_own``: indices into the owned range).
- * Returns Σ ε² (the new x = (1-β1)·g + ε). */
 /* Sharded prepare: ρ[i] = β1·m[i] at the owner's m support ``pidx_own`` (indices into the own
- * range [lo, hi), which ρ and m cover); then ε += round(s·g) on every tensor, and on the own range
- * the candidate cand[f - lo] = ρ[f - lo] + ε[f] in the same pass. Returns Σ ε² (new ε). */
+ * range [lo, hi), which ρ and m cover); then the CAND pass. Returns Σ ε² (new ε). */
 double scape_prepare_sharded(i64 ntensor, const i64 *gtab, const i64 *numels, float *e,
                              float *rho, const float *m, const i64 *pidx_own, i64 kp, i64 lo,
-                             i64 hi, float *cand, float beta1, float s) {
+                             i64 hi, float *cand, float beta1, float s, int nthreads) {
     for (i64 j = 0; j < kp; j++) {
         i64 i = pidx_own[j];
         rho[i] = m[i] * beta1;
     }
-    double sq = 0.0;
-    for (i64 t = 0; t < ntensor; t++) {
-        const float *g = (const float *)(intptr_t)gtab[2 * t];
-        i64 off = gtab[2 * t + 1], n = numels[t];
-        float *et = e + off;
-        i64 a = lo - off, b = hi - off;            /* the own range, in this tensor */
-        a = a < 0 ? 0 : (a > n ? n : a);
-        b = b < a ? a : (b > n ? n : b);
-#pragma omp simd reduction(+ : sq)
-        for (i64 i = 0; i < a; i++) {
-            float y = et[i] + s * g[i];
-            et[i] = y;
-            sq += (double)y * (double)y;
-        }
-        const float *rt = rho + (off - lo);
-        float *ct = cand + (off - lo);
-#pragma omp simd reduction(+ : sq)
-        for (i64 i = a; i < b; i++) {
-            float y = et[i] + s * g[i];
-            et[i] = y;
-            ct[i] = rt[i] + y;
-            sq += (double)y * (double)y;
-        }
-#pragma omp simd reduction(+ : sq)
-        for (i64 i = b; i < n; i++) {
-            float y = et[i] + s * g[i];
-            et[i] = y;
-            sq += (double)y * (double)y;
-        }
-    }
-    return sq;
+    prep_job job = prep_job_of(P_CAND, ntensor, gtab, numels, e, NULL, 0.0f, s);
+    job.rho = rho;
+    job.cand = cand;
+    job.lo = lo;
+    job.hi = hi;
+    return prep_parallel(job, nthreads);
 }
 
 /* values[j] = src[idx[j] - base] (a gather: the payload, or the candidate at the mask); returns
