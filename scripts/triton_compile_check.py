@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Compile every Triton kernel of SCAPE for a Hopper GPU (sm_90) on a machine without one.
+
+    TRITON_INTERPRET=0 .venv/bin/python scripts/triton_compile_check.py [--stage ptx|cubin]
+
+The interpreter (``TRITON_INTERPRET=1``, how the tests run the kernels on CPU tensors) accepts
+code the compiler refuses -- e.g. arithmetic on a ``constexpr`` it cannot lower, a pointer cast
+of the wrong width -- so the tests alone do not prove the kernels build for the GPU. This runs
+Triton's front end and its lowering to PTX (and, with ``--stage cubin``, ptxas, which the triton
+wheel carries) for every kernel and every ``constexpr`` variant the launchers use, with argument
+types as the launchers pass them (raw addresses as i64, tensors as pointers). No GPU, no launch:
+it says nothing about speed or results on the device. Exit status 1 if any variant fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on"):
+    sys.exit("set TRITON_INTERPRET=0: the interpreter replaces the compiler")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from scape_train.optim.scape import triton_codecs as tc  # noqa: E402
+from scape_train.optim.scape import triton_kernels as tk  # noqa: E402
+from scape_train.optim.scape import triton_passes as tp  # noqa: E402
+from scape_train.optim.scape import triton_payload as tpl  # noqa: E402
+
+A, P64, F64, F32, U8 = "i64", "*i64", "*fp64", "*fp32", "*u8"   # an address, tensor pointers
+
+
+def variants() -> list[tuple]:
+    """(kernel, argument types, constexprs) for every variant the launchers use."""
+    kb, fb = {"BLOCK": tp.K_BLOCK}, {"BLOCK": tp.FULL_BLOCK}
+    out = []
+    for general, cand in ((True, False), (False, False), (False, True)):
+        out.append((tp._prepare_kernel, dict(blocks=P64, gtab=P64, e_addr=A, m_addr=A, parts=F64,
+                                              beta1="fp32", s="fp32", lo=A, hi=A, rho_addr=A,
+                                              cand_addr=A),
+                    {"GENERAL": general, "CAND": cand, **fb}))
+    out.append((tp._prepare_fix_kernel, dict(blocks=P64, ptab=P64, pidx_addr=A, e_addr=A,
+                                             m_addr=A, parts=F64, beta1="fp32", s="fp32"), kb))
+    out.append((tp._rho_kernel, dict(pidx_addr=A, k=A, rho_addr=A, m_addr=A, beta1="fp32"), kb))
+    for take in (False, True):
+        out.append((tp._gather_kernel, dict(k=A, idx_addr=A, base=A, src_addr=A, out_addr=A,
+                                            parts=F64), {"TAKE": take, **kb}))
+    for has_rho in (False, True):
+        out.append((tp._ghat_kernel, dict(k=A, idx_addr=A, base=A, b_addr=A, rho_addr=A,
+                                          m_addr=A, parts=F64, nb="fp32", d="fp32"),
+                    {"HAS_RHO": has_rho, **kb}))
+    out.append((tp._fill_kernel, dict(dst_addr=A, idx_addr=A, k=A, value="fp32", parts=F64), kb))
+    out.append((tp._zero_kernel, dict(dst_addr=A, n=A), fb))
+    scal = {n: "fp32" for n in ("beta1", "beta2", "omb1", "omb2", "bc1", "sqrt_bc2", "eps", "ns")}
+    for clip, has_out, bias in ((True, False, 1), (False, True, 2), (True, True, 0)):
+        out.append((tp._adams_kernel, dict(blocks=P64, ttab=P64, idx_addr=A, j0=A, base=A,
+                                           ghat_addr=A, m_addr=A, out_addr=A, work_addr=A,
+                                           coef_ptr=F32, **scal),
+                    {"CLIP": clip, "HAS_OUT": has_out, "BIAS": bias, **kb}))
+    out.append((tp._scatter_params_kernel, dict(blocks=P64, stab=P64, idx_addr=A,
+                                                values_addr=A), kb))
+    out.append((tp._count_at_kernel, dict(mask_addr=A, idx_addr=A, k=A, parts=P64), kb))
+    # the mask-bit kernels (kernels.py's Triton backend)
+    out.append((tk._pack_kernel, dict(mask_ptr=U8, out_ptr=U8, n=A, nbytes=A),
+                {"BLOCK_BYTES": tk.PACK_BLOCK_BYTES}))
+    out.append((tk._unpack_kernel, dict(packed_ptr=U8, out_ptr=U8, n=A, nbytes=A),
+                {"BLOCK_BYTES": tk.PACK_BLOCK_BYTES}))
+    for packed in (False, True):
+        pk = {"PACKED": packed, "BLOCK": tk.BLOCK}
+        out.append((tk._count_kernel, dict(mask_ptr=U8, counts_ptr=P64, n=A), pk))
+        out.append((tk._gather_kernel, dict(values_ptr="*i32", mask_ptr=U8, starts_ptr=P64,
+                                            out_ptr="*i32", n=A), pk))
+        out.append((tk._scatter_kernel, dict(payload_ptr="*i32", mask_ptr=U8, starts_ptr=P64,
+                                             out_ptr="*i32", n=A), pk))
+    # the mask codings and the payload codec
+    for packed in (False, True):
+        out.append((tc._count_kernel, dict(src_ptr=U8, tab_ptr=P64, counts_ptr=P64),
+                    {"PACKED": packed, "BLOCK": tc.BLOCK}))
+    out.append((tc._encode_bitmap_kernel, dict(bits_ptr=U8, tab_ptr=P64, shard_ptr=U8),
+                {"PACK_BYTES": tc.PACK_BYTES}))
+    out.append((tc._encode_fields_kernel, dict(bits_ptr=U8, tab_ptr=P64, starts_ptr=P64,
+                                               words_ptr="*i32"), {"BLOCK": tc.BLOCK}))
+    out.append((tc._decode_scan_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64, starts_ptr=P64,
+                                             mask_ptr=U8, idx_ptr=P64), {"BLOCK": tc.BLOCK}))
+    out.append((tc._decode_direct_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64, mask_ptr=U8,
+                                               idx_ptr=P64), {"BLOCK": tc.BLOCK}))
+    out.append((tpl._bf16_encode_kernel, dict(x_ptr="*i32", out_ptr="*i16", n=A),
+                {"BLOCK": tpl.BLOCK}))
+    out.append((tpl._bf16_decode_kernel, dict(h_ptr="*i16", out_ptr="*i32", n=A),
+                {"BLOCK": tpl.BLOCK}))
+    for name, fmt in tpl._FP8.items():
+        out.append((tpl._fp8_encode_kernel, dict(x_ptr="*i32", out_ptr=U8, n=A, nblocks=A,
+                                                 row_bytes=A),
+                    {**fmt, "HEADROOM": 8 if name == "fp8_e4m3" else 15,
+                     "GROUPS": tpl.SCALE_GROUPS, "SCALE_BLOCK": tpl.SCALE_BLOCK}))
+        out.append((tpl._fp8_decode_kernel, dict(b_ptr=U8, out_ptr="*i32", n=A, nblocks=A,
+                                                 row_stride=A),
+                    {**fmt, "GROUPS": tpl.SCALE_GROUPS, "SCALE_BLOCK": tpl.SCALE_BLOCK}))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", choices=("ptx", "cubin"), default="ptx")
+    args = p.parse_args()
+    target = GPUTarget("cuda", 90, 32)
+    failed = 0
+    for fn, sig, consts in variants():
+        name = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} {consts}"
+        try:
+            src = ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+            kernel = triton.compile(src, target=target, options={"enable_fp_fusion": False})
+            if args.stage not in kernel.asm:
+                raise RuntimeError(f"no {args.stage} produced ({sorted(kernel.asm)})")
+            print(f"ok    {name}", flush=True)
+        except Exception as exc:     # report every failing variant, not just the first
+            failed += 1
+            print(f"FAIL  {name}: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+    print(f"{failed} of {len(variants())} variants failed for sm_90 ({args.stage})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
