@@ -187,14 +187,15 @@ def test_no_compiler_warns_once_and_trains_on_the_torch_path(tmp_path):
 
 def test_device_op_counter_counts_the_c_loops_bytes():
     """Benchmarks report bytes per parameter from DeviceOpCounter: the C loops, which dispatch
-    no torch op, count what they touch (here a fill of k positions: index, old value, write)."""
+    no torch op, count what they touch (here a gather of k positions: index, value, write)."""
     from scape_train.profiling import DeviceOpCounter
 
-    dst = torch.zeros(1000)
+    src = torch.zeros(1000)
     idx = torch.arange(0, 1000, 7)
+    out = torch.empty(idx.numel())
     with DeviceOpCounter() as ops:
-        LIB.scape_fill(native.ptr(dst), native.ptr(idx), idx.numel(), 0.0)
-    assert ops.ops["native::scape_fill"] == 1 and ops.bytes_moved == 16 * idx.numel()
+        LIB.scape_gather(idx.numel(), native.ptr(idx), 0, native.ptr(src), native.ptr(out))
+    assert ops.ops["native::scape_gather"] == 1 and ops.bytes_moved == 16 * idx.numel()
     s, w, _ = make(_cfg(density_warmup_steps=0))
     train_step(s, w, 1, 0)
     with DeviceOpCounter() as ops:

@@ -55,6 +55,7 @@ def _assert_same(tri: dict, c: dict) -> None:
     for mt, mc in zip(tri["metrics"], c["metrics"]):
         for k in ("grad_norm", "scape/residual_norm", "scape/payload_numel"):
             assert mt[k] == pytest.approx(mc[k], rel=1e-12, abs=1e-15), k
+        assert mt.get("scape/mask_overlap") == mc.get("scape/mask_overlap")   # count_at
 
 
 @pytest.mark.parametrize("sharded", [False, True])

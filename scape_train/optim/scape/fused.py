@@ -21,12 +21,14 @@ source of difference is that a vectorized ``add(alpha=)``/``addcmul`` may use an
 of a tensor and a separate multiply-add in its scalar tail, and the k-sized gathered tensors put
 different coordinates in the tail than the full-size ones (≤ 1 ulp per op).
 
-Two implementations of these passes, chosen per step: on the CPU (where ``kernels.host_reads_ok``
-holds) C loops (:mod:`.native`, ``native/scape_cpu.c``: one loop per phase over the mask's
-indices, the candidate's and the fold's square sums taken on the way, so the residual-norm metric
-costs no pass of its own); elsewhere -- CUDA, ``SCAPE_NATIVE=0``, no C compiler, a recording test
-step -- the torch ops written out below, which are also what the C loops are tested against
-(tests/test_scape_native.py).
+Three implementations of these passes, chosen per step through one seam (:mod:`.passes`): on the
+CPU (where ``kernels.host_reads_ok`` holds) C loops (:mod:`.native`, ``native/scape_cpu.c``: one
+loop per phase over the mask's indices, the square sums for the residual-norm metric taken on the
+way, so it costs no pass of its own); on CUDA the same functions as Triton kernels
+(:mod:`.triton_passes`, sums returned on the device); elsewhere -- ``SCAPE_NATIVE=0``, no C
+compiler, ``use_triton=off`` on CUDA, a recording test step -- the torch ops written out below,
+which are also what both libraries are tested against (tests/test_scape_native.py,
+tests/test_triton_passes.py).
 
 Falls back to the reference methods (same object, same state) for what it does not cover:
 low-precision payloads (their quantization error lands on the mask positions, so ``e_{t-1} = 0``
@@ -157,10 +159,11 @@ class _FusedMixin:
         segs, offsets, _ = self._plan(counts)
         return _MaskIndex(segs, idx, offsets)
 
-    # -- the C loops (native/scape_cpu.c): the same equations, one loop per phase -------------
-    def _native(self, grads=None):
-        """The C library for this step, or ``None`` (CUDA, ``SCAPE_NATIVE=0``, a recording
-        test step, a gradient that is not contiguous fp32: the torch ops below run)."""
+    # -- the passes library (passes.py: the C loops or the Triton kernels), one pass per phase --
+    def _passes(self, grads=None):
+        """The C loops (CPU) or Triton kernels (CUDA) for this step, or ``None`` (``SCAPE_NATIVE=0``
+        or ``use_triton=off`` where those are the choice, a recording test step, a gradient that
+        is not contiguous fp32: the torch ops below run)."""
         if self.record:
             return None
         if grads is not None and not all(g.dtype == torch.float32 and g.is_contiguous()
@@ -183,7 +186,7 @@ class _FusedMixin:
                 for t, a, b in segs if a >= lo and b <= hi]
         return native.table(rows, 4 if src is None else 5)
 
-    def _native_adams(self, lib, idx, j0: int, k: int, base: int, ghat: torch.Tensor,
+    def _passes_adams(self, lib, idx, j0: int, k: int, base: int, ghat: torch.Tensor,
                       m: torch.Tensor, old_support: torch.Tensor | None, ttab: torch.Tensor,
                       out: torch.Tensor | None, coef, lr: float, step: int) -> None:
         """:meth:`_adams_k` and :meth:`_set_momentum` in C over the index list's
@@ -333,7 +336,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         e = (self.residual.tensor() if self._pidx is None
              else self.residual.overwriting(self._pidx))
         self._c_sq = None
-        lib = self._native(g)
+        lib = self._passes(g)
         if self._pidx is None and lib is not None:   # the general line below, in C
             gtab, numels = self._grad_table(g)
             self._c_sq = lib.scape_prepare_replicated_general(
@@ -375,9 +378,9 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             self.last = {"c": c.clone(), "m_prev": self.m.clone()}
         k = sum(map(sum, counts))
         idx = self._mask_index(mask, k)
-        lib = self._native()
+        lib = self._passes()
         if lib is not None:
-            return self._update_native(lib, idx, k, counts, lr, step, during_payload)
+            return self._update_passes(lib, idx, k, counts, lr, step, during_payload)
         payload = c.index_select(0, idx)
         _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
                     during_payload)
@@ -401,7 +404,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._c = None
         return {"grad_norm": norm, "scape/payload_numel": float(k)}
 
-    def _update_native(self, lib, idx: torch.Tensor, k: int, counts: list[list[int]],
+    def _update_passes(self, lib, idx: torch.Tensor, k: int, counts: list[list[int]],
                        lr: float, step: int, during_payload) -> dict[str, float]:
         """:meth:`update` with its O(k) passes in C: gather, ĝ and its norm, AdamS at the mask
         positions, the momentum; the all-reduce and the weight decay as on the torch path."""
@@ -418,7 +421,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         mi = self._index(idx, counts)
         segs = mi.segs
         self._decay(lr)
-        self._native_adams(lib, idx, 0, k, 0, payload, m, self._pidx,
+        self._passes_adams(lib, idx, 0, k, 0, payload, m, self._pidx,
                            self._param_table(segs, 0, k), None, coef, lr, step)  # and m
         self._pidx = idx
         self._prev_local = mi
@@ -466,7 +469,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             return super().prepare(g, mask)
         beta1 = self.cfg.betas[0]
         eps_ = self.residual.tensor()
-        lib = self._native(g) if self._pidx is not None else None
+        lib = self._passes(g) if self._pidx is not None else None
         self._x_sq = None
         if lib is not None:            # ε ← x, ρ ← base and c^(o) = base + x^(o), in one pass
             gtab, numels = self._grad_table(g)
@@ -505,9 +508,9 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         total = sum(counts)
         starts = [sum(counts[:r]) for r in range(world)]
         idx = self._mask_index(mask, total)
-        lib = self._native()
+        lib = self._passes()
         if lib is not None:
-            return self._update_native(lib, idx, seg_counts, counts, starts, width, lr, step,
+            return self._update_passes(lib, idx, seg_counts, counts, starts, width, lr, step,
                                        during_payload)
         payload = x.index_select(0, idx)
         send = torch.zeros(world, width, dtype=torch.float32, device=x.device)
@@ -561,7 +564,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         return {"grad_norm": norm, "scape/payload_numel": float(total),
                 "scape/residual_norm": res_sq.sqrt()}
 
-    def _update_native(self, lib, idx: torch.Tensor, seg_counts: list[list[int]],
+    def _update_passes(self, lib, idx: torch.Tensor, seg_counts: list[list[int]],
                        counts: list[int], starts: list[int], width: int, lr: float, step: int,
                        during_payload) -> dict[str, float]:
         """:meth:`update` with its O(k) passes in C (the payload gathered straight into the
@@ -595,7 +598,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self._decay(lr)
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
         if k_own:
-            self._native_adams(lib, idx, s_own, k_own, lo, recv, m, self._pidx_own,
+            self._passes_adams(lib, idx, s_own, k_own, lo, recv, m, self._pidx_own,
                                self._param_table(segs, s_own, s_own + k_own), shard, coef, lr,
                                step)                          # and m (own range)
         elif self._pidx_own is None:

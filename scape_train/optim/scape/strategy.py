@@ -23,7 +23,7 @@ from ..comm import Comm
 from ..config import OptimizerConfig
 from ..density import density_at
 from ..state import FlatShard, ShardSource, StateParts
-from . import native
+from . import native, passes
 from .kernels import pack_bits, resolve_backend, unpack_bits
 from .masks import MaskExchange, PendingMask, mask_counts, measured_counts, topk_own_mask
 from .partition import ParamLayout, build_partition
@@ -151,16 +151,15 @@ class ScapeStrategy(OptimizerStrategy):
             metrics["scape/mask_overlap"] = self._overlap(mask, prev, prev_idx) / max(ones, 1.0)
         return metrics
 
-    @staticmethod
-    def _overlap(mask: torch.Tensor, prev: torch.Tensor, prev_idx: torch.Tensor | None):
+    def _overlap(self, mask: torch.Tensor, prev: torch.Tensor, prev_idx: torch.Tensor | None):
         """Ones of ``mask`` that ``prev`` has too: O(k) through M_{t-1}'s indices when known
-        (a C loop on the CPU), else a full-size AND."""
+        (one pass of the C loops or the Triton kernels, :mod:`.passes`), else a full-size AND."""
         if prev_idx is None:
             return torch.count_nonzero(mask & prev)
-        lib = native.lib(mask)
+        lib = passes.lib(self.backend, mask)
         if lib is not None and mask.is_contiguous() and prev_idx.is_contiguous():
-            return torch.tensor(float(lib.scape_count_at(native.ptr(mask), native.ptr(prev_idx),
-                                                         prev_idx.numel())))
+            n = lib.scape_count_at(native.ptr(mask), native.ptr(prev_idx), prev_idx.numel())
+            return n if lib.on_device else torch.tensor(float(n))
         return torch.count_nonzero(mask.index_select(0, prev_idx))
 
     def _first_mask(self, stat: torch.Tensor, density: float) -> torch.Tensor:

@@ -370,7 +370,7 @@ class TritonPasses:
         if kz < 0:
             run(_zero_kernel, (triton.cdiv(mlen, FULL_BLOCK),), m, mlen, BLOCK=FULL_BLOCK)
         elif kz:
-            self.scape_fill(m, zidx, kz, 0.0)
+            self._fill(m, zidx, kz, 0.0)
         blocks, tt = self._segment_blocks(ttab, nseg, 4)
         nblk = blocks.numel() // 2
         if not nblk:
@@ -382,7 +382,7 @@ class TritonPasses:
             bc1, sqrt_bc2, eps, ns, CLIP=bool(clip), HAS_OUT=out is not None,
             BIAS=int(bias), BLOCK=K_BLOCK, **_OPTS)
 
-    def scape_fill(self, dst, idx, k, value):
+    def _fill(self, dst, idx, k, value):
         nblk = triton.cdiv(k, K_BLOCK)
         parts = self._parts(nblk)
         if k:

@@ -49,7 +49,6 @@ _SIGNATURES = {
     "scape_adams": (None, [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _F,
                            ctypes.c_int, _F, _F, _F, _F, _F, _F, _F, _F, ctypes.c_int]),
     "scape_count_at": (_I, [_P, _P, _I]),
-    "scape_fill": (_D, [_P, _P, _I, _F]),
     "scape_scatter_params": (None, [_P, _P, _I, _P]),
     "scape_topk_bits": (_I, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
 }
@@ -86,7 +85,6 @@ _TRAFFIC = {
     "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, *_:
         40 * k + (4 * mlen if kz < 0 else 12 * kz),
     "scape_count_at": lambda mask, idx, k: 9 * k,
-    "scape_fill": lambda dst, idx, k, v: 16 * k,
     "scape_scatter_params": lambda idx, stab, nseg, v:
         16 * (_col_sum(stab, nseg, 5, 3) - _col_sum(stab, nseg, 5, 2)),
     # the sample, two passes over |c| (bits written in the second), the candidates

@@ -447,18 +447,6 @@ i64 scape_count_at(const u8 *mask, const i64 *idx, i64 k) {
     return n;
 }
 
-/* dst[idx[j]] = value (e[M] = 0: the residual fold); returns Σ of the old values' squares,
- * so that ‖e‖² after the fold is the prepare's Σ c² minus this */
-double scape_fill(float *dst, const i64 *idx, i64 k, float value) {
-    double sq = 0.0;
-    for (i64 j = 0; j < k; j++) {
-        float v = dst[idx[j]];
-        sq += (double)v * (double)v;
-        dst[idx[j]] = value;
-    }
-    return sq;
-}
-
 /* θ ← gathered values at the mask positions. ``stab``: 5 int64 per segment: pointer, flat
  * offset, a, b, src (where the segment's values start in ``values``). */
 void scape_scatter_params(const i64 *idx, const i64 *stab, i64 nseg, const float *values) {
