@@ -90,10 +90,10 @@ def count(model, spec: tuple, steps: int, params: int) -> dict:
     live: list = []
     ph = PhaseBytes(s, lambda: live[0] if live else None) if spec[0] == "scape" else None
     for i in range(steps):                     # warm-up steps: m's support, the plans
-        fill_grads(model, i)
+        fill_grads(model, i, s)
         s.step(1e-3)
         s.zero_grad()
-    fill_grads(model, 999)
+    fill_grads(model, 999, s)
     if ph is not None:
         ph.b.clear()
     with DeviceOpCounter() as ops:

@@ -44,6 +44,7 @@ from scape_train.models.config import ModelConfig  # noqa: E402
 from scape_train.optim import build_optimizer  # noqa: E402
 from scape_train.optim.comm import Comm, Handle  # noqa: E402
 from scape_train.optim.config import OptimizerConfig  # noqa: E402
+from scape_train.optim.grad_buffer import write_grads  # noqa: E402
 from scape_train.optim.scape import strategy as scape_strategy  # noqa: E402
 from scape_train.optim.scape.masks import topk_own_mask  # noqa: E402
 from scape_train.profiling import DeviceOpCounter  # noqa: E402
@@ -79,10 +80,12 @@ class LocalComm(Comm):
         return Handle(self, kind)
 
 
-def fill_grads(model: torch.nn.Module, seed: int) -> None:
+def fill_grads(model: torch.nn.Module, seed: int, strategy=None) -> None:
+    """Random gradients, where a backward would put them (``strategy``'s flat buffer, if any)."""
     g = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g) * 1e-2
+    params = list(model.parameters())
+    write_grads(params, [torch.randn(p.shape, generator=g) * 1e-2 for p in params],
+                getattr(strategy, "grad_buffer", None))
 
 
 class Phases:
@@ -165,7 +168,7 @@ def _with_env(s, env: dict) -> None:
 
 
 def step_bytes(s, model, params: int) -> float:
-    fill_grads(model, 999)
+    fill_grads(model, 999, s)
     with DeviceOpCounter() as ops:
         s.step(1e-3)
     return ops.bytes_moved / params
@@ -177,7 +180,7 @@ def run(model, contenders: dict, repeats: int, warmup: int) -> dict:
     res: dict[str, dict] = {n: {"times": [], "phases": defaultdict(list)} for n in contenders}
     for i in range(warmup + repeats):
         for name, (s, ph) in built.items():        # alternate the contenders every round
-            fill_grads(model, i)
+            fill_grads(model, i, s)
             if ph is not None:
                 ph.t.clear()
                 _TOPK_T.clear()

@@ -239,6 +239,7 @@ def check_scape_step(ctx: Ctx) -> dict:
 
     from scape_train.optim import build_optimizer
     from scape_train.optim.config import OptimizerConfig
+    from scape_train.optim.grad_buffer import write_grads
     from scape_train.optim.scape.accounting import dense_allreduce_bytes, scape_step_bytes
     from scape_train.profiling import DeviceOpCounter
 
@@ -246,10 +247,12 @@ def check_scape_step(ctx: Ctx) -> dict:
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
 
+    current: dict = {}          # the strategy being timed: gradients go to its flat buffer
+
     def fill(i):
         g = torch.Generator(device=ctx.device).manual_seed(i)
-        for p in params:
-            p.grad = torch.randn(p.shape, device=ctx.device, generator=g).mul_(1e-2)
+        write_grads(params, [torch.randn(p.shape, device=ctx.device, generator=g).mul_(1e-2)
+                             for p in params], getattr(current.get("s"), "grad_buffer", None))
 
     if not ctx.cuda:   # the CPU smoke counts what a GPU runs: the static-size path
         from scape_train.optim.scape import kernels
@@ -269,7 +272,7 @@ def check_scape_step(ctx: Ctx) -> dict:
                                              sharded=True, use_triton=triton)
     out["triton_vs_torch_ops"] = _passes_agree(model, fill, triton)
     for name, kw in contenders.items():
-        strategy = build_optimizer(OptimizerConfig(**kw), model)
+        strategy = current["s"] = build_optimizer(OptimizerConfig(**kw), model)
         fill(0)
         strategy.step(1e-4)                       # the first step builds SCAPE's first mask
         if ctx.cuda:
@@ -289,6 +292,9 @@ def check_scape_step(ctx: Ctx) -> dict:
         strategy.close()
         out[name] = res
         del strategy
+        current.clear()
+        for p in params:            # the flat buffer's views would keep it alive
+            p.grad = None
         if ctx.cuda:
             torch.cuda.empty_cache()
     for name in contenders:

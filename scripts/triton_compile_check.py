@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -45,6 +46,13 @@ def variants() -> list[tuple]:
                                               beta1="fp32", s="fp32", lo=A, hi=A, rho_addr=A,
                                               cand_addr=A),
                     {"GENERAL": general, "CAND": cand, **fb}))
+        # over one flat gradient buffer: n divisible by 16 (as Triton specializes it at a
+        # launch); the PTX must show 16-byte accesses
+        out.append((tp._prepare_flat_kernel, dict(n=A, g_addr=A, e_addr=A, m_addr=A, parts=F64,
+                                                   beta1="fp32", s="fp32", lo=A, hi=A,
+                                                   rho_addr=A, cand_addr=A),
+                    {"GENERAL": general, "CAND": cand, **fb}, {"divisible": ("n", "parts"),
+                                                                "vector_loads": True}))
     out.append((tp._prepare_fix_kernel, dict(blocks=P64, ptab=P64, pidx_addr=A, e_addr=A,
                                              m_addr=A, parts=F64, beta1="fp32", s="fp32"), kb))
     out.append((tp._rho_kernel, dict(pidx_addr=A, k=A, rho_addr=A, m_addr=A, beta1="fp32"), kb))
@@ -111,13 +119,23 @@ def main() -> int:
     args = p.parse_args()
     target = GPUTarget("cuda", 90, 32)
     failed = 0
-    for fn, sig, consts in variants():
+    for fn, sig, consts, *extra in variants():
         name = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} {consts}"
+        want = extra[0] if extra else {}
         try:
-            src = ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+            names = list(sig)
+            attrs = {(names.index(a),): [["tt.divisibility", 16]]
+                     for a in want.get("divisible", ())}
+            src = ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts,
+                            attrs=attrs)
             kernel = triton.compile(src, target=target, options={"enable_fp_fusion": False})
             if args.stage not in kernel.asm:
                 raise RuntimeError(f"no {args.stage} produced ({sorted(kernel.asm)})")
+            wide = len(re.findall(r"ld\.global[.\w]*\.v4\.", kernel.asm["ptx"]))
+            if want.get("vector_loads") and not wide:
+                raise RuntimeError("no 16-byte global loads in the PTX (ld.global.v4)")
+            if wide:
+                name += f" ({wide} 16-byte loads)"
             print(f"ok    {name}", flush=True)
         except Exception as exc:     # report every failing variant, not just the first
             failed += 1

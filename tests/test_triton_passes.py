@@ -66,6 +66,26 @@ def test_triton_passes_equal_the_c_loops_bit_for_bit(sharded, bias_correction):
                for name in vars(lib)), "the Triton passes did not run"
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("flat_grads", [True, False])
+def test_the_prepare_kernel_over_one_flat_buffer_or_per_tensor(flat_grads, sharded, monkeypatch):
+    """The flat gradient buffer takes the flat prepare kernel (aligned, 16-byte accesses on a
+    GPU), autograd's own tensors the table kernel; both equal the C loops bit for bit."""
+    from scape_train.optim.scape import triton_passes
+
+    launched = []
+    real = triton_passes.run
+
+    def spy(kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(triton_passes, "run", spy)
+    _assert_same(*_triton_vs_c(0, sharded=sharded, flat_grads=flat_grads))
+    flat, table = launched.count("_prepare_flat_kernel"), launched.count("_prepare_kernel")
+    assert (flat > 0, table > 0) == (flat_grads, not flat_grads), launched
+
+
 def test_triton_passes_equal_the_torch_ops(monkeypatch):
     """Against the torch ops the CUDA path ran before (C loops off)."""
     tri = _run(_cfg("on", clip_grad=0.0), 0, 5)

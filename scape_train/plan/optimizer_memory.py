@@ -10,7 +10,8 @@ code (``simulate.Replay``), so the temporaries alive together are the ones the c
   every gradient (``gradient_as_bucket_view`` is off).
 - SCAPE (``optim/scape/``): replicated holds m and the residual e full size (e in host memory with
   ``offload_residuals``) and the bool masks; sharded holds m and rho on its own flat range and e full
-  size. A step adds the flat gradient copy g, the candidate c (sharded: x = (1-beta1) g), the
+  size. A step adds the flat gradient copy g (none with ``flat_grads``: the gradients are one
+  buffer, held through the forward too), the candidate c (sharded: x = (1-beta1) g), the
   payload (k values: the mask's popcount, the largest at the first steps of a density warmup) and
   the full-size ghat; on the torch kernel path (CPU, ``use_triton=off``) boolean indexing also
   materialises int64 indices of the payload. That is the reference step, which runs while a
@@ -43,6 +44,9 @@ class OptimizerMemory:
     step_where: str = ""
     checkpoint: int = 0           # extra device bytes at the peak of state_dict()
     checkpoint_where: str = ""
+    # the gradients live for the whole step (a persistent flat buffer, SCAPE's flat_grads), not
+    # from their layer's backward on
+    grads_persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,10 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
         mem.state.append(residual)     # on a CPU run "host" is the device
     mem.state.append(("SCAPE masks (current bool + next, packed)", n + in_flight))
 
+    mem.grads_persistent = o.flat_grads
     r = Replay()
-    r.alloc(F32 * n, "flat gradient copy g")
+    if not o.flat_grads:            # else g is the flat gradient buffer itself
+        r.alloc(F32 * n, "flat gradient copy g")
     _assemble_mask(r, part, in_flight)     # M_t: the in-flight packed gather becomes a bool mask
     if not o.sharded:
         r.alloc(F32 * n, "candidate c")

@@ -125,11 +125,16 @@ def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> FusedStepMe
         with tracker:
             tracker.category = "state"
             strategy = ScapeStrategy(o, model, comm=PlanComm(rank, world))
+            buf = strategy.grad_buffer      # flat_grads: the gradients' row, not SCAPE state
+            grad_bytes = 0 if buf is None else tracker.storage_bytes(buf.buffer.untyped_storage())
             peaks = []
             for step in range(1, 4):
                 tracker.category = "gradients"
-                for p in params:            # what backward leaves: one gradient per parameter
-                    p.grad = torch.zeros_like(p)
+                if buf is None:             # what backward leaves: one gradient per parameter
+                    for p in params:
+                        p.grad = torch.zeros_like(p)
+                else:                       # it accumulates into the buffer's views
+                    buf.mark_written()
                 strategy.before_forward(step)
                 base = tracker.live
                 tracker.peak, tracker.category = base, "step"
@@ -137,9 +142,10 @@ def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> FusedStepMe
                 peaks.append((tracker.peak - base, tracker.peak_what))
                 tracker.category = "gradients"
                 strategy.zero_grad()
-                for p in params:
-                    p.grad = None
-            held = tracker.live - tracker.by_category["params"]
+                if buf is None:
+                    for p in params:
+                        p.grad = None
+            held = tracker.live - tracker.by_category["params"] - grad_bytes
             assert strategy.engine.fast, "the traced density does not select the fused path"
             strategy.close()
     step, where = peaks[-1]

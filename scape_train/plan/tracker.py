@@ -39,7 +39,7 @@ class LiveBytes(TorchDispatchMode):
         self._storages: dict[int, tuple[weakref.ref, int, str, int]] = {}
 
     # -- registration --------------------------------------------------------------------------
-    def _bytes(self, storage: torch.UntypedStorage) -> int:
+    def storage_bytes(self, storage: torch.UntypedStorage) -> int:
         n = storage.nbytes()
         return -(-n // self.round_to) * self.round_to
 
@@ -55,7 +55,7 @@ class LiveBytes(TorchDispatchMode):
         known = self._storages.get(key)
         if known is not None and known[0]() is st:
             return
-        n = self._bytes(st)
+        n = self.storage_bytes(st)
         ref = weakref.ref(st, partial(self._freed, key))
         self._storages[key] = (ref, n, category, self.ops)
         self.live += n

@@ -113,6 +113,7 @@ class _FusedMixin:
                 by_wd.setdefault(wd, []).append(i)
         self._decay_groups = list(by_wd.items())
         self._numels = torch.tensor(lay.numels, dtype=torch.int64)   # for the C prepare
+        self._total_numel = torch.tensor([lay.total], dtype=torch.int64)
 
     def select_path(self, k: int) -> bool:
         """The fused path for a step whose mask has ``k`` ones, when it is the cheaper one: its
@@ -171,11 +172,16 @@ class _FusedMixin:
             return None
         return passes.lib(self.backend, self.m)
 
-    def _grad_table(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pointer, flat offset) per tensor, and the numels: where the C prepare reads g."""
-        offs = self.layout.offsets
+    def _grad_table(self, grads: list[torch.Tensor]) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Where the prepare reads g: the number of rows, (pointer, flat offset) per row, the
+        numels. Gradients in one flat buffer (``optimizer.flat_grads``: each at its flat
+        offset) are one row -- one contiguous, aligned range for the passes."""
+        offs, base = self.layout.offsets, grads[0].data_ptr()
+        size = grads[0].element_size()
+        if all(g.data_ptr() == base + size * offs[i] for i, g in enumerate(grads)):
+            return 1, native.table([[base, 0]], 2), self._total_numel
         gtab = native.table([[g.data_ptr(), offs[i]] for i, g in enumerate(grads)], 2)
-        return gtab, self._numels
+        return len(grads), gtab, self._numels
 
     def _param_table(self, segs: list, lo: int, hi: int, src=None) -> torch.Tensor:
         """Per segment of the index-list slice ``[lo, hi)``: θ's pointer, its flat offset,
@@ -338,9 +344,9 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._c_sq = None
         lib = self._passes(g)
         if self._pidx is None and lib is not None:   # the general line below, in C
-            gtab, numels = self._grad_table(g)
+            rows, gtab, numels = self._grad_table(g)
             self._c_sq = lib.scape_prepare_replicated_general(
-                len(g), native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
+                rows, native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
                 beta1, 1.0 - beta1, torch.get_num_threads())
         elif self._pidx is None:        # m may be nonzero anywhere (first step, after a load)
             w = torch._foreach_mul(self._views(self.m), beta1)
@@ -348,11 +354,11 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             torch._foreach_add_(self._views(e), w)
         elif lib is not None:           # the two lines below, in C
             segs = self._prev_local.segs
-            gtab, numels = self._grad_table(g)
+            rows, gtab, numels = self._grad_table(g)
             ptab = native.table([[g[t].data_ptr(), self.layout.offsets[t], a, b]
                                  for t, a, b in segs], 4)
             self._c_sq = lib.scape_prepare_replicated(
-                len(g), native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
+                rows, native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
                 native.ptr(self._pidx), self._pidx.numel(), native.ptr(ptab), ptab.shape[0],
                 beta1, 1.0 - beta1, torch.get_num_threads())   # Σ c², for the metric
         else:                           # m and e_{t-1}: nonzero on disjoint sets
@@ -472,12 +478,12 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         lib = self._passes(g) if self._pidx is not None else None
         self._x_sq = None
         if lib is not None:            # ε ← x, ρ ← base and c^(o) = base + x^(o), in one pass
-            gtab, numels = self._grad_table(g)
+            rows, gtab, numels = self._grad_table(g)
             p = self._pidx_own
             (cand,) = self._cand_pool.get(((self.hi - self.lo,), torch.float32),
                                           device=eps_.device)
             self._x_sq = lib.scape_prepare_sharded(
-                len(g), native.ptr(gtab), native.ptr(numels), native.ptr(eps_),
+                rows, native.ptr(gtab), native.ptr(numels), native.ptr(eps_),
                 native.ptr(self.rho), native.ptr(self.m), native.ptr(p), p.numel(), self.lo,
                 self.hi, native.ptr(cand), beta1, 1.0 - beta1, torch.get_num_threads())
             self._x = eps_

@@ -22,6 +22,7 @@ from ..base import OptimizerStrategy
 from ..comm import Comm
 from ..config import OptimizerConfig
 from ..density import density_at
+from ..grad_buffer import FlatGradBuffer
 from ..state import FlatShard, ShardSource, StateParts
 from . import native, passes
 from .kernels import pack_bits, resolve_backend, unpack_bits
@@ -64,6 +65,9 @@ class ScapeStrategy(OptimizerStrategy):
                    ("fused", False): FusedReplicatedScape, ("fused", True): FusedShardedScape}
         engine_cls = engines[(cfg.scape_impl, bool(cfg.sharded))]
         self.engine = engine_cls(self.layout, self.part, cfg, self.comm, self.backend)
+        # p.grad as views of one flat buffer (optimizer.flat_grads): both paths read it in place
+        self.grad_buffer = (FlatGradBuffer(self.layout.names, self.layout.params, "SCAPE step")
+                            if cfg.flat_grads else None)
         self.steps_done = 0
         self.mask_cur: torch.Tensor | None = None
         self._pending: PendingMask | None = None
@@ -81,6 +85,9 @@ class ScapeStrategy(OptimizerStrategy):
 
     # -- the trainer's hooks -------------------------------------------------------------------
     def zero_grad(self) -> None:
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+            return
         for p in self.layout.params:
             p.grad = None
 
@@ -89,7 +96,10 @@ class ScapeStrategy(OptimizerStrategy):
         return density_at(step, c.density, c.density_warmup_steps, c.density_schedule)
 
     def _grads(self) -> list[torch.Tensor]:
-        """Every parameter's gradient, flattened (views of ``p.grad`` where it is contiguous)."""
+        """Every parameter's gradient, flattened (views of ``p.grad`` where it is contiguous;
+        with the flat buffer, its per-parameter views)."""
+        if self.grad_buffer is not None:
+            return self.grad_buffer.per_tensor()
         grads = []
         for name, p in zip(self.layout.names, self.layout.params):
             if p.grad is None:
@@ -100,8 +110,9 @@ class ScapeStrategy(OptimizerStrategy):
         return grads
 
     def _flat_grads(self) -> torch.Tensor:
-        # a fresh copy per step, not a persistent buffer: the reference path runs only at the
-        # dense end of a density warm-up, and the memory would be held for the whole run
+        # the buffer itself (the step may consume it: zero_grad refills it), else a fresh copy
+        if self.grad_buffer is not None:
+            return self.grad_buffer.flat()
         return torch.cat(self._grads())
 
     def counts(self, density: float) -> list[list[int]]:
@@ -171,6 +182,8 @@ class ScapeStrategy(OptimizerStrategy):
     def close(self) -> None:
         if self._pending is not None:
             self._pending.wait()
+        if self.grad_buffer is not None:
+            self.grad_buffer.close()
 
     # -- checkpoint: per parameter, in model space ---------------------------------------------
     # ``state_dict()`` is the whole state in one dict (gathered in sharded mode): the in-memory

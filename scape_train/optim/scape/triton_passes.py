@@ -64,30 +64,58 @@ def _sq_sum(x, keep):
 
 
 @triton.jit
-def _prepare_kernel(blocks, gtab, e_addr, m_addr, parts, beta1, s, lo, hi, rho_addr, cand_addr,
-                    GENERAL: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
-    """c = e + s·g (GENERAL: (β1·m + s·g) + e) on one block of one tensor; e ← c; Σ c². CAND
-    (sharded): on the own range [lo, hi) also cand[f - lo] = ρ[f - lo] + c."""
-    pid = tl.program_id(0)
-    t = tl.load(blocks + 3 * pid)
-    offs = tl.load(blocks + 3 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
-    keep = offs < tl.load(blocks + 3 * pid + 2)
-    g = tl.load(_f32(tl.load(gtab + 2 * t)) + offs, mask=keep, other=0.0)
-    e_ptr = _f32(e_addr) + tl.load(gtab + 2 * t + 1) + offs
+def _prepare_block(g, e_ptr, m_addr, f, keep, parts, pid, beta1, s, lo, hi, rho_addr, cand_addr,
+                   GENERAL: tl.constexpr, CAND: tl.constexpr, ALIGNED: tl.constexpr):
+    """c = e + s·g (GENERAL: (β1·m + s·g) + e) at the flat indices ``f``; e ← c; Σ c² into
+    ``parts[pid]``. CAND (sharded): on the own range [lo, hi) also cand[f - lo] = ρ[f - lo] + c.
+    ALIGNED: m's block is 16-byte aligned (as ``e_ptr``'s, stated by the caller)."""
     e = tl.load(e_ptr, mask=keep, other=0.0)
-    if GENERAL:
-        m = tl.load(_f32(m_addr) + tl.load(gtab + 2 * t + 1) + offs, mask=keep, other=0.0)
+    if GENERAL:             # m_addr is 0 otherwise: no pointer is made of it
+        m_ptr = _f32(m_addr) + f
+        if ALIGNED:
+            m_ptr = tl.multiple_of(m_ptr, 16)
+        m = tl.load(m_ptr, mask=keep, other=0.0)
         c = m * beta1 + s * g
         c = c + e
     else:
         c = e + s * g
     tl.store(e_ptr, c, mask=keep)
     if CAND:
-        f = tl.load(gtab + 2 * t + 1) + offs - lo
-        own = keep & (f >= 0) & (f < hi - lo)
-        r = tl.load(_f32(rho_addr) + f, mask=own, other=0.0)
-        tl.store(_f32(cand_addr) + f, r + c, mask=own)
+        fo = f - lo
+        own = keep & (fo >= 0) & (fo < hi - lo)
+        r = tl.load(_f32(rho_addr) + fo, mask=own, other=0.0)
+        tl.store(_f32(cand_addr) + fo, r + c, mask=own)
     tl.store(parts + pid, _sq_sum(c, keep))
+
+
+@triton.jit
+def _prepare_kernel(blocks, gtab, e_addr, m_addr, parts, beta1, s, lo, hi, rho_addr, cand_addr,
+                    GENERAL: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """The prepare on one block of one tensor, the tensors' gradients read through ``gtab``."""
+    pid = tl.program_id(0)
+    t = tl.load(blocks + 3 * pid)
+    offs = tl.load(blocks + 3 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
+    keep = offs < tl.load(blocks + 3 * pid + 2)
+    g = tl.load(_f32(tl.load(gtab + 2 * t)) + offs, mask=keep, other=0.0)
+    f = tl.load(gtab + 2 * t + 1) + offs
+    _prepare_block(g, _f32(e_addr) + f, m_addr, f, keep, parts, pid, beta1, s, lo, hi, rho_addr,
+                   cand_addr, GENERAL, CAND, False)
+
+
+@triton.jit
+def _prepare_flat_kernel(n, g_addr, e_addr, m_addr, parts, beta1, s, lo, hi, rho_addr,
+                         cand_addr, GENERAL: tl.constexpr, CAND: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """The prepare over one flat gradient (``optimizer.flat_grads``): one contiguous range, and
+    g, e and m 16-byte aligned (the launcher checks; a raw address hides it from the compiler,
+    so it is stated with ``multiple_of``), hence 16-byte loads and stores where the table
+    kernel's come 4 bytes at a time (the PTX shows it: scripts/triton_compile_check.py)."""
+    pid = tl.program_id(0)
+    f = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = f < n
+    g = tl.load(tl.multiple_of(_f32(g_addr) + f, 16), mask=keep, other=0.0)
+    _prepare_block(g, tl.multiple_of(_f32(e_addr) + f, 16), m_addr, f, keep, parts, pid, beta1,
+                   s, lo, hi, rho_addr, cand_addr, GENERAL, CAND, True)
 
 
 @triton.jit
@@ -302,25 +330,36 @@ class TritonPasses:
         return torch.zeros(max(n, 1), dtype=dtype, device=self.device)
 
     # -- the passes (native/scape_cpu.c's signatures) --------------------------------------
-    def scape_prepare_replicated_general(self, ntensor, gtab, numels, e, m, beta1, s,
-                                         nthreads=1):
+    def _prepare(self, ntensor, gtab, numels, e, m, s, lo=0, hi=0, rho=None, cand=None,
+                 beta1=0.0, general=False) -> torch.Tensor:
+        """One launch of the full-size prepare: the flat kernel when the gradient is one flat
+        buffer (one table row at flat offset 0) and it, e and m are 16-byte aligned, else the
+        table kernel; returns Σ c²."""
+        kw = dict(GENERAL=general, CAND=cand is not None, BLOCK=FULL_BLOCK, **_OPTS)
+        rest = (s, lo, hi, rho or 0, cand or 0)
+        row = _host_rows(gtab, 1, 2) if ntensor == 1 else None
+        if row is not None and row[1] == 0 and all(a % 16 == 0 for a in (row[0], e, m or 0)):
+            n = _host_rows(numels, 1, 1)[0]
+            nblk = triton.cdiv(n, FULL_BLOCK)
+            parts = self._parts(nblk)
+            if nblk:
+                run(_prepare_flat_kernel, (nblk,), n, row[0], e, m or 0, parts, beta1, *rest,
+                    **kw)
+            return parts.sum()
         blocks, gt = self._tensor_blocks(gtab, ntensor, numels)
         nblk = blocks.numel() // 3
         parts = self._parts(nblk)
         if nblk:
-            run(_prepare_kernel, (nblk,), blocks, gt, e, m, parts, beta1, s, 0, 0, 0, 0,
-                GENERAL=True, CAND=False, BLOCK=FULL_BLOCK, **_OPTS)
+            run(_prepare_kernel, (nblk,), blocks, gt, e, m or 0, parts, beta1, *rest, **kw)
         return parts.sum()
+
+    def scape_prepare_replicated_general(self, ntensor, gtab, numels, e, m, beta1, s,
+                                         nthreads=1):
+        return self._prepare(ntensor, gtab, numels, e, m, s, beta1=beta1, general=True)
 
     def _add_scaled_grads(self, ntensor, gtab, numels, e, s, lo=0, hi=0, rho=None, cand=None
                           ) -> torch.Tensor:
-        blocks, gt = self._tensor_blocks(gtab, ntensor, numels)
-        nblk = blocks.numel() // 3
-        parts = self._parts(nblk)
-        if nblk:
-            run(_prepare_kernel, (nblk,), blocks, gt, e, 0, parts, 0.0, s, lo, hi, rho or 0,
-                cand or 0, GENERAL=False, CAND=cand is not None, BLOCK=FULL_BLOCK, **_OPTS)
-        return parts.sum()
+        return self._prepare(ntensor, gtab, numels, e, None, s, lo, hi, rho, cand)
 
     def scape_prepare_replicated(self, ntensor, gtab, numels, e, m, pidx, kp, ptab, npseg,
                                  beta1, s, nthreads=1):
