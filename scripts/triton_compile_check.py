@@ -55,16 +55,25 @@ def variants() -> list[tuple]:
                                                                 "vector_loads": True}))
     out.append((tp._prepare_fix_kernel, dict(blocks=P64, ptab=P64, pidx_addr=A, e_addr=A,
                                              m_addr=A, parts=F64, beta1="fp32", s="fp32"), kb))
-    out.append((tp._rho_kernel, dict(pidx_addr=A, k=A, rho_addr=A, m_addr=A, beta1="fp32"), kb))
-    for take in (False, True):
-        out.append((tp._gather_kernel, dict(k=A, idx_addr=A, base=A, src_addr=A, out_addr=A,
-                                            parts=F64), {"TAKE": take, **kb}))
-    for has_rho in (False, True):
-        out.append((tp._ghat_kernel, dict(k=A, idx_addr=A, base=A, b_addr=A, rho_addr=A,
-                                          m_addr=A, parts=F64, nb="fp32", d="fp32"),
-                    {"HAS_RHO": has_rho, **kb}))
-    out.append((tp._fill_kernel, dict(dst_addr=A, idx_addr=A, k=A, value="fp32", parts=F64), kb))
-    out.append((tp._zero_kernel, dict(dst_addr=A, n=A), fb))
+    vec = {"vector_loads": True, "divisible": ("k", "n")}
+    for al in (False, True):      # ALIGNED: the launcher found the contiguous streams aligned
+        kba, fba = {**kb, "ALIGNED": al}, {**fb, "ALIGNED": al}
+        want = (vec,) if al else ()
+        out.append((tp._rho_kernel, dict(pidx_addr=A, k=A, rho_addr=A, m_addr=A, beta1="fp32"),
+                    kba, *want))
+        for take in (False, True):
+            out.append((tp._gather_kernel, dict(k=A, idx_addr=A, base=A, src_addr=A,
+                                                out_addr=A, parts=F64), {"TAKE": take, **kba},
+                        *want))
+        for has_rho in (False, True):
+            out.append((tp._ghat_kernel, dict(k=A, idx_addr=A, base=A, b_addr=A, rho_addr=A,
+                                              m_addr=A, parts=F64, nb="fp32", d="fp32"),
+                        {"HAS_RHO": has_rho, **kba}, *want))
+        out.append((tp._fill_kernel, dict(dst_addr=A, idx_addr=A, k=A, value="fp32",
+                                          parts=F64), kba, *want))
+        out.append((tp._zero_kernel, dict(dst_addr=A, n=A), fba))   # stores only
+        out.append((tp._count_at_kernel, dict(mask_addr=A, idx_addr=A, k=A, parts=P64), kba,
+                    *want))
     scal = {n: "fp32" for n in ("beta1", "beta2", "omb1", "omb2", "bc1", "sqrt_bc2", "eps", "ns")}
     for clip, has_out, bias in ((True, False, 1), (False, True, 2), (True, True, 0)):
         out.append((tp._adams_kernel, dict(blocks=P64, ttab=P64, idx_addr=A, j0=A, base=A,
@@ -73,7 +82,6 @@ def variants() -> list[tuple]:
                     {"CLIP": clip, "HAS_OUT": has_out, "BIAS": bias, **kb}))
     out.append((tp._scatter_params_kernel, dict(blocks=P64, stab=P64, idx_addr=A,
                                                 values_addr=A), kb))
-    out.append((tp._count_at_kernel, dict(mask_addr=A, idx_addr=A, k=A, parts=P64), kb))
     # the mask-bit kernels (kernels.py's Triton backend)
     out.append((tk._pack_kernel, dict(mask_ptr=U8, out_ptr=U8, n=A, nbytes=A),
                 {"BLOCK_BYTES": tk.PACK_BLOCK_BYTES}))
@@ -125,15 +133,16 @@ def main() -> int:
         try:
             names = list(sig)
             attrs = {(names.index(a),): [["tt.divisibility", 16]]
-                     for a in want.get("divisible", ())}
+                     for a in want.get("divisible", ()) if a in names}
             src = ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts,
                             attrs=attrs)
             kernel = triton.compile(src, target=target, options={"enable_fp_fusion": False})
             if args.stage not in kernel.asm:
                 raise RuntimeError(f"no {args.stage} produced ({sorted(kernel.asm)})")
-            wide = len(re.findall(r"ld\.global[.\w]*\.v4\.", kernel.asm["ptx"]))
+            wide = len(re.findall(r"ld\.global[.\w]*\.v(?:4\.b32|2\.b64)", kernel.asm["ptx"]))
             if want.get("vector_loads") and not wide:
-                raise RuntimeError("no 16-byte global loads in the PTX (ld.global.v4)")
+                raise RuntimeError("no 16-byte global loads in the PTX (ld.global.v4.b32 or "
+                                   ".v2.b64)")
             if wide:
                 name += f" ({wide} 16-byte loads)"
             print(f"ok    {name}", flush=True)

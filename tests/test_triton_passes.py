@@ -150,3 +150,33 @@ def test_every_triton_kernel_compiles_for_sm90(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert re.search(r"^0 of \d+ variants failed", proc.stdout, re.M), proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("k", [1024, 2500])
+def test_k_sized_passes_over_whole_blocks_and_a_tail(k):
+    """The k-sized passes launch the whole blocks and the tail block apart (aligned 16-byte
+    streams on a GPU): equal to the C loops at sizes with and without a tail, from an offset
+    start too (an unaligned stream takes the scalar variant)."""
+    c_lib, t_lib = passes.lib("torch", torch.zeros(1)), passes.lib("triton", torch.zeros(1))
+    gen = torch.Generator().manual_seed(k)
+    n = 4 * k + 7
+    for start in (0, 1):                         # idx + 8: not 16-byte aligned
+        idx = torch.randperm(n, generator=gen)[:k + start].sort().values
+        src = torch.randn(n, generator=gen)
+        out = {}
+        for name, lib in (("c", c_lib), ("triton", t_lib)):
+            s, m = src.clone(), torch.randn(n, generator=torch.Generator().manual_seed(1))
+            vals = torch.empty(k + start)
+            p = native.ptr(idx) + 8 * start
+            sums = [lib.scape_gather(k, p, 0, native.ptr(s), native.ptr(vals) + 4 * start),
+                    lib.scape_ghat(k, p, 0, native.ptr(vals) + 4 * start, None, native.ptr(m),
+                                   0.9, 0.1),
+                    lib.scape_take(k, p, native.ptr(s), native.ptr(vals) + 4 * start)]
+            zero = (s == 0).to(torch.uint8)            # held: its pointer goes to the pass
+            sums.append(lib.scape_count_at(native.ptr(zero), p, k))
+            out[name] = ([float(x) for x in sums], s, vals[start:], m)
+        (cs, *ct), (ts, *tt) = out["c"], out["triton"]
+        for a, b in zip(ct, tt):
+            assert torch.equal(a, b)
+        assert ts == pytest.approx(cs, rel=1e-12)
+        assert ts[3] == k                          # every taken position is zero now
