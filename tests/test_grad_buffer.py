@@ -148,7 +148,8 @@ def test_a_parameter_outside_the_loss_is_named_even_after_a_step():
 def test_the_memory_plan_holds_the_buffer_through_the_forward():
     fb = MicroBatchTrace(params=400, grads=400, peak=0, peak_grads=100, peak_activations=1000,
                          peak_logits=10, peak_backward=10, held_after=0, ops=0)
-    for persistent, at_peak in ((True, 400), (False, 100)):
-        rows = _rows(400, OptimizerMemory(grads_persistent=persistent), fb, bf16=False)
+    for persistent, at_peak in ((True, 400 + 40), (False, 100)):
+        opt = OptimizerMemory(grads_persistent=persistent, grads_transient=40 * persistent)
+        rows = _rows(400, opt, fb, bf16=False)
         (grads,) = [r for r in rows if r.name.startswith("gradients")]
         assert grads.cells[:2] == (at_peak, 400)

@@ -117,8 +117,10 @@ def activation_bound(cfg: Config, vocab: int, bf16: bool, on_gpu: bool, accum: i
 def _rows(params: int, opt: OptimizerMemory, fb: MicroBatchTrace, bf16: bool) -> list[Row]:
     rows = [Row("parameters (fp32)", (params, params, params))]
     rows += [Row(name, (b, b, b)) for name, b in opt.state]
-    if opt.grads_persistent:        # one flat buffer, alive through the forward too
-        rows.append(Row("gradients (fp32, one flat buffer)", (fb.grads, fb.grads, None)))
+    if opt.grads_persistent:        # one flat buffer, alive through the forward too, and
+        # the largest gradient autograd makes before adding it in
+        rows.append(Row("gradients (fp32, one flat buffer)",
+                        (fb.grads + opt.grads_transient, fb.grads, None)))
     else:
         rows.append(Row("gradients (fp32)", (fb.peak_grads, fb.grads, None)))
     rows.append(Row(f"activations of one micro-batch ({'bf16 autocast' if bf16 else 'fp32'})",

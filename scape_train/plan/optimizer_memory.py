@@ -45,8 +45,10 @@ class OptimizerMemory:
     checkpoint: int = 0           # extra device bytes at the peak of state_dict()
     checkpoint_where: str = ""
     # the gradients live for the whole step (a persistent flat buffer, SCAPE's flat_grads), not
-    # from their layer's backward on
+    # from their layer's backward on; autograd makes each one before adding it into the buffer,
+    # so the largest of them is alive beside the buffer for a moment (``grads_transient``)
     grads_persistent: bool = False
+    grads_transient: int = 0
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,7 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
     mem.state.append(("SCAPE masks (current bool + next, packed)", n + in_flight))
 
     mem.grads_persistent = o.flat_grads
+    mem.grads_transient = F32 * max(lay.numels) if o.flat_grads else 0
     r = Replay()
     if not o.flat_grads:            # else g is the flat gradient buffer itself
         r.alloc(F32 * n, "flat gradient copy g")
