@@ -285,3 +285,18 @@ def test_plan_config_is_typed_and_checked():
     with pytest.raises(ConfigError, match="plan.device"):
         check_memory(compose_config(["plan.device=h100"]), D.DistInfo())
     assert compose_config(["plan.device=a100-40gb", "plan.world_size=4"]).plan.world_size == 4
+
+
+def test_gradients_sharing_one_storage_are_counted_once():
+    """Autograd may give several parameters views of one gradient storage (the backward of a
+    split); the trace counts the storage once, so nothing after backward comes out negative."""
+    from scape_train.plan.trace import trace_micro_batch
+
+    cfg = compose_config(["model.n_layers=2", "model.d_model=64", "model.n_heads=4",
+                          "model.n_kv_heads=2", "model.ffn_dim=128", "model.vocab_size=256",
+                          "model.max_seq_len=32", "data.seq_len=32"])
+    fb = trace_micro_batch(cfg.model, 256, 2, 32, bf16=False, activation_checkpointing=False,
+                           accum=1, on_gpu=False)
+    meta = build_model(cfg.model, device="meta")
+    assert fb.grads == sum(4 * p.numel() for p in meta.parameters() if p.requires_grad)
+    assert fb.held_after >= 0

@@ -103,7 +103,10 @@ def _trace(model_fields: tuple, vocab_size: int, micro_batch: int, seq_len: int,
                 loss.backward()
                 del loss
         hook.remove()
-        grads = [p.grad for p in params if p.grad is not None]
+        # by storage: autograd may hand several parameters views of one gradient storage
+        # (the backward of a split), which counted per parameter would count it again
+        grads = list({id(p.grad.untyped_storage()): p.grad for p in params
+                      if p.grad is not None}.values())
         grad_bytes = sum(g.untyped_storage().nbytes() for g in grads)
         grads_at_peak = sum(g.untyped_storage().nbytes() for g in grads
                             if (tracker.created_at(g) or 0) <= tracker.peak_op)
