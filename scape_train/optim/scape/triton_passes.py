@@ -12,7 +12,7 @@ per-segment tables as host int64 tables (``native.table``), fp32 scalars. What d
 - **Tables travel to the device** once per content: the per-tensor gradient table (pointers
   change when autograd allocates new gradients), the parameter tables (stable for a mask plan).
   Each is cached by its bytes, with the launch's block table beside it.
-- **No thread count**: the C prepares' last argument (host threads) is ignored here.
+- **No thread count**: the C loops' last argument (host threads) is accepted and ignored here.
 - **Rounding as the C loops and torch**: ``enable_fp_fusion=False`` (no FMA contraction, as
   ``-ffp-contract=off``), ``div_rn``/``sqrt_rn`` (correctly rounded, where Triton's ``/`` and
   ``sqrt`` are approximate on the GPU), sums of squares in float64 (the order differs from the
@@ -341,10 +341,10 @@ class TritonPasses:
                 BLOCK=K_BLOCK, **_OPTS)
         return self._add_scaled_grads(ntensor, gtab, numels, e, s, lo, hi, rho, cand)
 
-    def scape_gather(self, k, idx, base, src, values):
+    def scape_gather(self, k, idx, base, src, values, nthreads=1):
         return self._gather(k, idx, base, src, values, False)
 
-    def scape_take(self, k, idx, src, values):
+    def scape_take(self, k, idx, src, values, nthreads=1):
         return self._gather(k, idx, 0, src, values, True)
 
     def _gather(self, k, idx, base, src, values, take: bool) -> torch.Tensor:
@@ -355,7 +355,7 @@ class TritonPasses:
                 BLOCK=K_BLOCK)
         return parts.sum()
 
-    def scape_ghat(self, k, idx, base, b, rho, m, beta1, d):
+    def scape_ghat(self, k, idx, base, b, rho, m, beta1, d, nthreads=1):
         nblk = triton.cdiv(k, K_BLOCK)
         parts = self._parts(nblk)
         if k:
@@ -364,7 +364,8 @@ class TritonPasses:
         return parts.sum()
 
     def scape_adams(self, idx, j0, k, base, ghat, m, mlen, zidx, kz, ttab, nseg, out, work,
-                    coef, clip, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, bias):
+                    coef, clip, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, bias,
+                    nthreads=1):
         if k:    # m at the mask, read before m is zeroed on its old support
             self._gather(k, idx + 8 * j0, base, m, work, False)
         if kz < 0:
@@ -389,13 +390,13 @@ class TritonPasses:
             run(_fill_kernel, (nblk,), dst, idx, k, value, parts, BLOCK=K_BLOCK)
         return parts.sum()
 
-    def scape_scatter_params(self, idx, stab, nseg, values):
+    def scape_scatter_params(self, idx, stab, nseg, values, nthreads=1):
         blocks, st = self._segment_blocks(stab, nseg, 5)
         nblk = blocks.numel() // 2
         if nblk:
             run(_scatter_params_kernel, (nblk,), blocks, st, idx, values, BLOCK=K_BLOCK)
 
-    def scape_count_at(self, mask, idx, k):
+    def scape_count_at(self, mask, idx, k, nthreads=1):
         nblk = triton.cdiv(k, K_BLOCK)
         parts = self._parts(nblk, torch.int64)
         if k:

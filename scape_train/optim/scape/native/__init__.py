@@ -13,6 +13,8 @@ the torch path, which is also the reference the C loops are tested against. What
 
 The loops are called through ``ctypes`` on the tensors' raw pointers; ctypes drops the GIL for
 the call, so a background collective keeps progressing. The callers check contiguity and dtype.
+The fused step's loops take a thread count last (``torch.get_num_threads()``, from the caller):
+what they write, and the sums they return, are the same for any count (``scape_cpu.c``).
 """
 
 from __future__ import annotations
@@ -43,14 +45,15 @@ _SIGNATURES = {
     "scape_prepare_replicated_general": (_D, [_I, _P, _P, _P, _P, _F, _F, ctypes.c_int]),
     "scape_prepare_sharded": (_D, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _F, _F,
                                    ctypes.c_int]),
-    "scape_gather": (_D, [_I, _P, _I, _P, _P]),
-    "scape_take": (_D, [_I, _P, _P, _P]),
-    "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _F, _F]),
+    "scape_gather": (_D, [_I, _P, _I, _P, _P, ctypes.c_int]),
+    "scape_take": (_D, [_I, _P, _P, _P, ctypes.c_int]),
+    "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _F, _F, ctypes.c_int]),
     "scape_adams": (None, [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _F,
-                           ctypes.c_int, _F, _F, _F, _F, _F, _F, _F, _F, ctypes.c_int]),
-    "scape_count_at": (_I, [_P, _P, _I]),
-    "scape_scatter_params": (None, [_P, _P, _I, _P]),
-    "scape_topk_bits": (_I, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
+                           ctypes.c_int, _F, _F, _F, _F, _F, _F, _F, _F, ctypes.c_int,
+                           ctypes.c_int]),
+    "scape_count_at": (_I, [_P, _P, _I, ctypes.c_int]),
+    "scape_scatter_params": (None, [_P, _P, _I, _P, ctypes.c_int]),
+    "scape_topk_bits": (_I, [_P, _I, _I, _P, _I, _I, _P, _P, _I, ctypes.c_int]),
 }
 
 
@@ -84,12 +87,12 @@ _TRAFFIC = {
     # written; m zeroed at its old support (all of m when unknown)
     "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, *_:
         40 * k + (4 * mlen if kz < 0 else 12 * kz),
-    "scape_count_at": lambda mask, idx, k: 9 * k,
-    "scape_scatter_params": lambda idx, stab, nseg, v:
+    "scape_count_at": lambda mask, idx, k, *_: 9 * k,
+    "scape_scatter_params": lambda idx, stab, nseg, v, *_:
         16 * (_col_sum(stab, nseg, 5, 3) - _col_sum(stab, nseg, 5, 2)),
     # the sample, two passes over |c| (bits written in the second), the candidates
-    "scape_topk_bits": lambda c, n, k, smp, ssize, rank, bits, work, cap: 12 * ssize + 9 * n
-        + 8 * k,
+    "scape_topk_bits": lambda c, n, k, smp, ssize, rank, bits, work, cap, *_: 12 * ssize
+        + 9 * n + 8 * k,
 }
 counters: list = []          # DeviceOpCounters in effect (profiling.py registers them)
 
