@@ -288,3 +288,72 @@ def test_traffic_takes_each_loops_arguments():
     loop's full argument list (the thread count last)."""
     for name, (_, args) in native._SIGNATURES.items():
         inspect.signature(native._TRAFFIC[name]).bind(*range(len(args)))
+
+
+# -- the mask codings --------------------------------------------------------------------------
+
+def _big_layout():
+    from torch import nn
+
+    from scape_train.optim.scape.partition import ParamLayout
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(701, 1201), nn.LayerNorm(1201)]
+    layers += [nn.Linear(1201, 1201, bias=i % 2 == 0) for i in range(3)]
+    layers += [nn.Linear(1201, 333)]
+    return ParamLayout(nn.Sequential(*layers), weight_decay=0.1, exclude_norm_bias=True)
+
+
+def _with_threads(t: int, fn):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(t)               # the caller passes torch's count
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("world,partitioner", [(1, "tensor"), (3, "flat")])
+@pytest.mark.parametrize("coding", ["auto", "indices", "elias_fano"])
+def test_encode_and_decode_are_the_same_on_any_number_of_threads(world, partitioner, coding,
+                                                                  monkeypatch):
+    """Segments encode and decode on threads (at least 5 parts' worth of ones here: 1.5M)."""
+    from scape_train.optim.scape.mask_coding import MaskPlan
+    from scape_train.optim.scape.masks import mask_counts, topk_own_mask
+    from scape_train.optim.scape.partition import build_partition
+
+    lay = _big_layout()
+    assert lay.total * 0.3 > 5 * MIN_PER_THREAD
+    part = build_partition(lay, world, partitioner)
+    plan = MaskPlan(part, lay, mask_counts(part, lay, 0.3), coding, lay.total)
+    stat = torch.randn(lay.total, generator=torch.Generator().manual_seed(1))
+    bits = [topk_own_mask(stat[lo:hi], part, r, lay, 0.3) for r, (lo, hi) in
+            enumerate(part.ranges)]
+    cpu = torch.device("cpu")
+    coded = [(r, sc) for r, codes in enumerate(plan.segs) for sc in codes if sc.kind != "all"]
+    broken = [coded[len(coded) // 3], coded[2 * len(coded) // 3]]
+
+    def run(t):
+        shards = [_with_threads(t, lambda: plan.encode(b, r)) for r, b in enumerate(bits)]
+        gathered = torch.cat(shards)
+        mask, idx = _with_threads(t, lambda: plan.decode_with_indices(gathered, cpu))
+        bad = gathered.clone()
+        for r, sc in broken:          # two segments surely broken: the lower one is named
+            at = r * plan.shard_bytes + sc.off
+            if sc.kind == "indices":               # fields out of order
+                bad[at:at + sc.low_bytes] = 0xFF
+            else:                                  # no ones in the bitmap / upper bits
+                bad[at + sc.low_bytes:at + sc.low_bytes + sc.high_bytes] = 0
+        try:
+            _with_threads(t, lambda: plan.decode_with_indices(bad, cpu))
+            err = None
+        except RuntimeError as exc:
+            err = str(exc)
+        return gathered, mask.clone(), idx.clone(), err
+
+    gathered, mask, idx, err = _same_on_every_count(run)
+    assert err is not None and f"(segment at flat {broken[0][1].flat_start})" in err, err
+    monkeypatch.setenv("SCAPE_NATIVE", "0")        # the torch path's bytes and mask
+    assert torch.equal(gathered, torch.cat([plan.encode(b, r) for r, b in enumerate(bits)]))
+    mask_t, _ = plan.decode_with_indices(gathered, cpu)
+    assert torch.equal(mask, mask_t) and torch.equal(idx, torch.nonzero(mask_t).view(-1))

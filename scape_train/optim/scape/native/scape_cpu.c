@@ -47,120 +47,6 @@ static inline void write_field(u8 *buf, i64 len, i64 pos, int width, u64 value) 
     for (int i = 0; i < nbytes && byte + i < len; i++) buf[byte + i] |= (u8)(v >> (8 * i));
 }
 
-/* Decode a whole mask. ``tab``: 8 int64 per segment, in flat order:
- *   kind, flat_start, numel, k, width, low (byte offset of the field stream in ``buf``),
- *   high (byte offset of the bitmap / upper bit vector), high_bytes.
- * Writes the bool mask (``total`` bytes) and the sorted flat indices of its ones into ``idx``
- * (room for ``cap``). Returns the number of ones, or -1 - s when segment s is corrupt (a count,
- * position or length that does not match its plan): nothing is written out of bounds. */
-i64 scape_mask_decode(i64 nseg, const i64 *tab, const u8 *buf, i64 len, u8 *mask, i64 total,
-                      i64 *idx, i64 cap) {
-    memset(mask, 0, (size_t)total);
-    i64 at = 0;
-    for (i64 s = 0; s < nseg; s++) {
-        const i64 *r = tab + 8 * s;
-        i64 kind = r[0], flat = r[1], numel = r[2], k = r[3];
-        int width = (int)r[4];
-        i64 low = r[5], high = r[6], hbytes = r[7];
-        if (flat < 0 || numel < 0 || flat + numel > total) return -1 - s;
-        if (kind == K_ALL) {
-            if (at + numel > cap) return -1 - s;
-            memset(mask + flat, 1, (size_t)numel);
-            for (i64 i = 0; i < numel; i++) idx[at++] = flat + i;
-            continue;
-        }
-        if (at + k > cap) return -1 - s;
-        i64 start = at;
-        if (kind == K_BITMAP) {
-            if (high + hbytes > len) return -1 - s;
-            for (i64 b = 0; b < hbytes; b++) {
-                unsigned v = buf[high + b];
-                while (v) {
-                    i64 p = 8 * b + __builtin_ctz(v);
-                    v &= v - 1;
-                    if (p >= numel || at - start >= k) return -1 - s;
-                    mask[flat + p] = 1;
-                    idx[at++] = flat + p;
-                }
-            }
-        } else if (kind == K_INDICES) {
-            if (low + ((k * width + 7) >> 3) > len) return -1 - s;
-            i64 prev = -1;
-            for (i64 j = 0; j < k; j++) {
-                i64 p = (i64)read_field(buf, len, 8 * low + j * width, width);
-                if (p >= numel || p <= prev) return -1 - s;
-                prev = p;
-                mask[flat + p] = 1;
-                idx[at++] = flat + p;
-            }
-        } else if (kind == K_EF) {
-            if (high + hbytes > len || low + ((k * width + 7) >> 3) > len) return -1 - s;
-            i64 j = 0, prev = -1;
-            for (i64 b = 0; b < hbytes; b++) {
-                unsigned v = buf[high + b];
-                while (v) {
-                    i64 pos = 8 * b + __builtin_ctz(v);
-                    v &= v - 1;
-                    if (j >= k) return -1 - s;
-                    i64 lo = width ? (i64)read_field(buf, len, 8 * low + j * width, width) : 0;
-                    i64 p = ((pos - j) << width) | lo;
-                    if (p >= numel || p <= prev) return -1 - s;
-                    prev = p;
-                    mask[flat + p] = 1;
-                    idx[at++] = flat + p;
-                    j++;
-                }
-            }
-        } else {
-            return -1 - s;
-        }
-        if (at - start != k) return -1 - s;
-    }
-    return at;
-}
-
-/* Encode an owner's segments. ``tab``: 8 int64 per segment:
- *   kind, start (in ``bits``), numel, k, width, off (byte offset in ``shard``), low_bytes,
- *   high_bytes.
- * ``bits``: the owner's bool mask over its range. Returns 0, or -1 - s when segment s holds
- * another number of ones than its plan says. */
-i64 scape_mask_encode(i64 nseg, const i64 *tab, const u8 *bits, u8 *shard, i64 len) {
-    memset(shard, 0, (size_t)len);
-    for (i64 s = 0; s < nseg; s++) {
-        const i64 *r = tab + 8 * s;
-        i64 kind = r[0], start = r[1], numel = r[2], k = r[3];
-        int width = (int)r[4];
-        i64 off = r[5], lbytes = r[6], hbytes = r[7];
-        const u8 *b = bits + start;
-        if (kind == K_ALL) continue;
-        if (kind == K_BITMAP) {
-            u8 *out = shard + off;
-            for (i64 i = 0; i < numel; i++)
-                if (b[i]) out[i >> 3] |= (u8)(1u << (i & 7));
-            continue;
-        }
-        u8 *lowp = shard + off;
-        u8 *up = shard + off + lbytes;
-        u64 lmask = width >= 64 ? ~0ULL : ((1ULL << width) - 1);
-        i64 j = 0;
-        for (i64 i = 0; i < numel; i++) {
-            if (!b[i]) continue;
-            if (j >= k) return -1 - s;
-            if (kind == K_INDICES) {
-                write_field(lowp, lbytes, j * width, width, (u64)i);
-            } else {
-                if (width) write_field(lowp, lbytes, j * width, width, (u64)i & lmask);
-                i64 u = (i >> width) + j;
-                if ((u >> 3) >= hbytes) return -1 - s;
-                up[u >> 3] |= (u8)(1u << (u & 7));
-            }
-            j++;
-        }
-        if (j != k) return -1 - s;
-    }
-    return 0;
-}
-
 /* ---------------------------------------------------------------------------------------------
  * Threads. Every threaded loop here is a list of independent jobs (contiguous ranges of the flat
  * space, of an index list, or a top-k's parts) run on up to ``nthreads`` threads (torch's
@@ -189,22 +75,54 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-static void run_jobs(i64 njobs, int nthreads, jobs_fn fn, void *ctx, double *part) {
+/* threads for a full-size pass over ``n`` elements */
+static int full_threads(int nthreads, i64 n) {
+    i64 most = n / MIN_PER_THREAD;
+    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+    return (i64)nthreads > most ? (int)(most > 1 ? most : 1) : (nthreads < 1 ? 1 : nthreads);
+}
+
+static int clamp_threads(int nthreads, i64 njobs) {
     if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
     if ((i64)nthreads > njobs) nthreads = (int)njobs;
-    if (nthreads < 1) nthreads = 1;
-    worker w[MAX_THREADS];
+    return nthreads < 1 ? 1 : nthreads;
+}
+
+/* workers 1.. on threads of their own, worker 0 on the caller's; all done on return */
+static void launch(worker *w, int nthreads) {
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
-    for (int t = 0; t < nthreads; t++) {
-        w[t] = (worker){fn, ctx, njobs * t / nthreads, njobs * (t + 1) / nthreads, part};
-        started[t] = t > 0 && pthread_create(&tid[t], NULL, worker_main, &w[t]) == 0;
-    }
+    for (int t = 1; t < nthreads; t++)
+        started[t] = pthread_create(&tid[t], NULL, worker_main, &w[t]) == 0;
     worker_main(&w[0]);
     for (int t = 1; t < nthreads; t++) {
         if (started[t]) pthread_join(tid[t], NULL);
         else worker_main(&w[t]);           /* no thread: the caller does its part */
     }
+}
+
+/* jobs [0, njobs) in equal runs */
+static void run_jobs(i64 njobs, int nthreads, jobs_fn fn, void *ctx, double *part) {
+    worker w[MAX_THREADS];
+    nthreads = clamp_threads(nthreads, njobs);
+    for (int t = 0; t < nthreads; t++)
+        w[t] = (worker){fn, ctx, njobs * t / nthreads, njobs * (t + 1) / nthreads, part};
+    launch(w, nthreads);
+}
+
+/* jobs [0, njobs) in runs of about equal weight (``cum``: njobs + 1 ascending totals, cum[0] =
+ * 0), at most one thread per MIN_PER_THREAD of weight */
+static void run_weighted(i64 njobs, const i64 *cum, int nthreads, jobs_fn fn, void *ctx) {
+    worker w[MAX_THREADS];
+    nthreads = clamp_threads(full_threads(nthreads, cum[njobs]), njobs);
+    i64 j = 0;
+    for (int t = 0; t < nthreads; t++) {
+        i64 first = j, goal = cum[njobs] / nthreads * (t + 1);
+        if (t == nthreads - 1) j = njobs;
+        while (j < njobs && cum[j] + cum[j + 1] <= 2 * goal) j++;   /* by the jobs' midpoints */
+        w[t] = (worker){fn, ctx, first, j, NULL};
+    }
+    launch(w, nthreads);
 }
 
 /* the jobs' partial sums added in job order (the jobs: blocks of SUM_BLOCK entries) */
@@ -229,13 +147,6 @@ static double blocked_sum(i64 nblocks, int nthreads, jobs_fn fn, void *ctx) {
 static inline i64 nblocks_of(i64 n) { return n > 0 ? (n + SUM_BLOCK - 1) / SUM_BLOCK : 0; }
 static inline i64 min64(i64 a, i64 b) { return a < b ? a : b; }
 static inline i64 max64(i64 a, i64 b) { return a > b ? a : b; }
-
-/* threads for a full-size pass over ``n`` elements */
-static int full_threads(int nthreads, i64 n) {
-    i64 most = n / MIN_PER_THREAD;
-    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-    return (i64)nthreads > most ? (int)(most > 1 ? most : 1) : (nthreads < 1 ? 1 : nthreads);
-}
 
 /* The full-size prepare passes, over every tensor (``gtab``: 2 int64 per tensor: gradient
  * pointer, flat offset; ``numels`` per tensor; the gradients are read, not changed):
@@ -838,5 +749,205 @@ i64 scape_topk_bits(const float *c, i64 n, i64 k, const i64 *sample, i64 ssize, 
     rc = 0;
 done:
     if (t.hist != one) free(t.hist);
+    return rc;
+}
+
+/* The mask codings run per segment: each segment's stream, bits and output lie apart from the
+ * others', so segments are jobs, split over threads by their weight (``seg_jobs``). */
+typedef struct {
+    const i64 *tab;
+    const u8 *buf, *bits;
+    i64 len, total, cap;
+    u8 *mask, *shard;
+    i64 *idx;
+    i64 *at;                /* decode: where each segment's indices start in idx */
+    i64 *bad;               /* per segment: 1 when it does not match its row */
+} codec_job;
+
+/* room for ``nseg`` segments' offsets (nseg + 1), weights (nseg + 1) and flags: NULL when there
+ * is none (the caller then runs the segments in order on its own thread) */
+static i64 *seg_tables(i64 nseg, codec_job *j, i64 **cum) {
+    i64 *mem = (i64 *)malloc(sizeof(i64) * (size_t)(3 * nseg + 2));
+    if (!mem) return NULL;
+    j->at = mem;
+    *cum = mem + nseg + 1;
+    j->bad = mem + 2 * nseg + 2;
+    return mem;
+}
+
+/* the lowest segment that failed, as -1 - s; else ``ok`` */
+static i64 first_bad(const codec_job *j, i64 nseg, i64 ok) {
+    for (i64 s = 0; s < nseg; s++)
+        if (j->bad[s]) return -1 - s;
+    return ok;
+}
+
+/* Segment ``r``'s ones (8 int64: kind, flat_start, numel, k, width, low, high, high_bytes) into
+ * the mask and idx[at:]: 0, or -1 when they do not match the row (nothing written out of the
+ * segment's flat range and its k slots of idx). */
+static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 total, i64 *idx,
+                          i64 at, i64 cap) {
+    i64 kind = r[0], flat = r[1], numel = r[2], k = r[3];
+    int width = (int)r[4];
+    i64 low = r[5], high = r[6], hbytes = r[7];
+    if (flat < 0 || numel < 0 || flat + numel > total) return -1;
+    if (kind == K_ALL) {
+        if (at + numel > cap) return -1;
+        memset(mask + flat, 1, (size_t)numel);
+        for (i64 i = 0; i < numel; i++) idx[at++] = flat + i;
+        return 0;
+    }
+    if (k < 0 || at + k > cap) return -1;
+    i64 start = at;
+    if (kind == K_BITMAP) {
+        if (high + hbytes > len) return -1;
+        for (i64 b = 0; b < hbytes; b++) {
+            unsigned v = buf[high + b];
+            while (v) {
+                i64 p = 8 * b + __builtin_ctz(v);
+                v &= v - 1;
+                if (p >= numel || at - start >= k) return -1;
+                mask[flat + p] = 1;
+                idx[at++] = flat + p;
+            }
+        }
+    } else if (kind == K_INDICES) {
+        if (low + ((k * width + 7) >> 3) > len) return -1;
+        i64 prev = -1;
+        for (i64 j = 0; j < k; j++) {
+            i64 p = (i64)read_field(buf, len, 8 * low + j * width, width);
+            if (p >= numel || p <= prev) return -1;
+            prev = p;
+            mask[flat + p] = 1;
+            idx[at++] = flat + p;
+        }
+    } else if (kind == K_EF) {
+        if (high + hbytes > len || low + ((k * width + 7) >> 3) > len) return -1;
+        i64 j = 0, prev = -1;
+        for (i64 b = 0; b < hbytes; b++) {
+            unsigned v = buf[high + b];
+            while (v) {
+                i64 pos = 8 * b + __builtin_ctz(v);
+                v &= v - 1;
+                if (j >= k) return -1;
+                i64 lo = width ? (i64)read_field(buf, len, 8 * low + j * width, width) : 0;
+                i64 p = ((pos - j) << width) | lo;
+                if (p >= numel || p <= prev) return -1;
+                prev = p;
+                mask[flat + p] = 1;
+                idx[at++] = flat + p;
+                j++;
+            }
+        }
+    } else {
+        return -1;
+    }
+    return at - start == k ? 0 : -1;
+}
+
+static void decode_jobs(void *arg, i64 first, i64 end, double *part) {
+    const codec_job *j = (const codec_job *)arg;
+    (void)part;
+    for (i64 s = first; s < end; s++)
+        j->bad[s] = decode_segment(j->tab + 8 * s, j->buf, j->len, j->mask, j->total, j->idx,
+                                   j->at[s], j->cap) != 0;
+}
+
+/* Decode a whole mask. ``tab``: 8 int64 per segment, in flat order:
+ *   kind, flat_start, numel, k, width, low (byte offset of the field stream in ``buf``),
+ *   high (byte offset of the bitmap / upper bit vector), high_bytes.
+ * Writes the bool mask (``total`` bytes) and the sorted flat indices of its ones into ``idx``
+ * (room for ``cap``). Returns the number of ones, or -1 - s when segment s is corrupt (a count,
+ * position or length that does not match its plan; the lowest such s): nothing is written out
+ * of bounds. Segment s's indices start at the ones its predecessors' rows promise (numel for an
+ * all-ones segment, else k), so segments decode apart, on up to ``nthreads`` threads. */
+i64 scape_mask_decode(i64 nseg, const i64 *tab, const u8 *buf, i64 len, u8 *mask, i64 total,
+                      i64 *idx, i64 cap, int nthreads) {
+    zero_parallel(mask, total, nthreads);
+    codec_job j = {.tab = tab, .buf = buf, .len = len, .mask = mask, .total = total, .idx = idx,
+                   .cap = cap};
+    i64 *cum, *mem = seg_tables(nseg, &j, &cum), at = 0;
+    if (mem) cum[0] = 0;
+    for (i64 s = 0; s < nseg; s++) {
+        const i64 *r = tab + 8 * s;
+        i64 ones = max64(r[0] == K_ALL ? r[2] : r[3], 0);
+        if (!mem) {         /* no room for the tables: in order, here */
+            if (decode_segment(r, buf, len, mask, total, idx, at, cap)) return -1 - s;
+        } else {
+            j.at[s] = at;
+            cum[s + 1] = cum[s] + ones + max64(r[7], 0);
+        }
+        at += ones;
+    }
+    if (!mem) return at;
+    run_weighted(nseg, cum, nthreads, decode_jobs, &j);
+    i64 rc = first_bad(&j, nseg, at);
+    free(mem);
+    return rc;
+}
+
+/* Encode segment ``r`` (8 int64: kind, start in ``bits``, numel, k, width, off, low_bytes,
+ * high_bytes) into its bytes of the zeroed ``shard``: 0, or -1 when it holds another number of
+ * ones than its row says. */
+static int encode_segment(const i64 *r, const u8 *bits, u8 *shard) {
+    i64 kind = r[0], start = r[1], numel = r[2], k = r[3];
+    int width = (int)r[4];
+    i64 off = r[5], lbytes = r[6], hbytes = r[7];
+    const u8 *b = bits + start;
+    if (kind == K_ALL) return 0;
+    if (kind == K_BITMAP) {
+        u8 *out = shard + off;
+        for (i64 i = 0; i < numel; i++)
+            if (b[i]) out[i >> 3] |= (u8)(1u << (i & 7));
+        return 0;
+    }
+    u8 *lowp = shard + off;
+    u8 *up = shard + off + lbytes;
+    u64 lmask = width >= 64 ? ~0ULL : ((1ULL << width) - 1);
+    i64 j = 0;
+    for (i64 i = 0; i < numel; i++) {
+        if (!b[i]) continue;
+        if (j >= k) return -1;
+        if (kind == K_INDICES) {
+            write_field(lowp, lbytes, j * width, width, (u64)i);
+        } else {
+            if (width) write_field(lowp, lbytes, j * width, width, (u64)i & lmask);
+            i64 u = (i >> width) + j;
+            if ((u >> 3) >= hbytes) return -1;
+            up[u >> 3] |= (u8)(1u << (u & 7));
+        }
+        j++;
+    }
+    return j == k ? 0 : -1;
+}
+
+static void encode_jobs(void *arg, i64 first, i64 end, double *part) {
+    const codec_job *j = (const codec_job *)arg;
+    (void)part;
+    for (i64 s = first; s < end; s++)
+        j->bad[s] = encode_segment(j->tab + 8 * s, j->bits, j->shard) != 0;
+}
+
+/* Encode an owner's segments. ``tab``: 8 int64 per segment:
+ *   kind, start (in ``bits``), numel, k, width, off (byte offset in ``shard``), low_bytes,
+ *   high_bytes.
+ * ``bits``: the owner's bool mask over its range. Returns 0, or -1 - s when segment s (the lowest
+ * such) holds another number of ones than its plan says. Segments (each its own bytes of the
+ * shard) on up to ``nthreads`` threads, weighed by their numel. */
+i64 scape_mask_encode(i64 nseg, const i64 *tab, const u8 *bits, u8 *shard, i64 len,
+                      int nthreads) {
+    memset(shard, 0, (size_t)len);
+    codec_job j = {.tab = tab, .bits = bits, .shard = shard};
+    i64 *cum, *mem = seg_tables(nseg, &j, &cum);
+    if (!mem) {
+        for (i64 s = 0; s < nseg; s++)
+            if (encode_segment(tab + 8 * s, bits, shard)) return -1 - s;
+        return 0;
+    }
+    cum[0] = 0;
+    for (i64 s = 0; s < nseg; s++) cum[s + 1] = cum[s] + max64(tab[8 * s + 2], 0);
+    run_weighted(nseg, cum, nthreads, encode_jobs, &j);
+    i64 rc = first_bad(&j, nseg, 0);
+    free(mem);
     return rc;
 }
