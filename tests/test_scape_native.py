@@ -194,7 +194,7 @@ def test_device_op_counter_counts_the_c_loops_bytes():
     idx = torch.arange(0, 1000, 7)
     out = torch.empty(idx.numel())
     with DeviceOpCounter() as ops:
-        LIB.scape_gather(idx.numel(), native.ptr(idx), 0, native.ptr(src), native.ptr(out))
+        LIB.scape_gather(idx.numel(), native.ptr(idx), 0, native.ptr(src), native.ptr(out), 1)
     assert ops.ops["native::scape_gather"] == 1 and ops.bytes_moved == 16 * idx.numel()
     s, w, _ = make(_cfg(density_warmup_steps=0))
     train_step(s, w, 1, 0)
@@ -226,8 +226,9 @@ def test_decode_reuses_only_buffers_nothing_holds():
 @pytest.mark.parametrize("kind", ["add", "general", "cand"])
 def test_full_size_prepares_are_the_same_on_any_number_of_threads(kind):
     """The prepare's full pass splits the flat space over torch's thread count: e (and the
-    sharded candidate) bit for bit whatever the split, the square sum to rounding. Tensors of odd
-    sizes so that thread ranges start and end inside tensors and inside the own range."""
+    sharded candidate) and the square sum (by blocks of 2^16, added in block order) bit for bit
+    whatever the split. Tensors of odd sizes so that thread ranges start and end inside tensors
+    and inside the own range."""
     gen = torch.Generator().manual_seed(3)
     sizes = [300_001, 7, 650_003, 1, 420_000]
     offs = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -259,6 +260,7 @@ def test_full_size_prepares_are_the_same_on_any_number_of_threads(kind):
     want = (m * 0.9 + g * 0.1) + e0 if kind == "general" else e0 + g * 0.1
     for e, cand, sq in runs:
         assert torch.equal(e, want)
+        assert sq == runs[0][2]
         assert sq == pytest.approx(float(want.double().square().sum()), rel=1e-12)
         if kind == "cand":
             assert torch.equal(cand, m[lo:hi] + want[lo:hi])

@@ -168,12 +168,12 @@ def test_k_sized_passes_over_whole_blocks_and_a_tail(k):
             s, m = src.clone(), torch.randn(n, generator=torch.Generator().manual_seed(1))
             vals = torch.empty(k + start)
             p = native.ptr(idx) + 8 * start
-            sums = [lib.scape_gather(k, p, 0, native.ptr(s), native.ptr(vals) + 4 * start),
-                    lib.scape_ghat(k, p, 0, native.ptr(vals) + 4 * start, None, native.ptr(m),
-                                   0.9, 0.1),
-                    lib.scape_take(k, p, native.ptr(s), native.ptr(vals) + 4 * start)]
+            v = native.ptr(vals) + 4 * start
+            sums = [lib.scape_gather(k, p, 0, native.ptr(s), v, 2),
+                    lib.scape_ghat(k, p, 0, v, None, native.ptr(m), 0.9, 0.1, 2),
+                    lib.scape_take(k, p, native.ptr(s), v, 2)]
             zero = (s == 0).to(torch.uint8)            # held: its pointer goes to the pass
-            sums.append(lib.scape_count_at(native.ptr(zero), p, k))
+            sums.append(lib.scape_count_at(native.ptr(zero), p, k, 2))
             out[name] = ([float(x) for x in sums], s, vals[start:], m)
         (cs, *ct), (ts, *tt) = out["c"], out["triton"]
         for a, b in zip(ct, tt):

@@ -12,7 +12,7 @@ per-segment tables as host int64 tables (``native.table``), fp32 scalars. What d
 - **Tables travel to the device** once per content: the per-tensor gradient table (pointers
   change when autograd allocates new gradients), the parameter tables (stable for a mask plan).
   Each is cached by its bytes, with the launch's block table beside it.
-- **No thread count**: the C prepares' last argument (host threads) is ignored here.
+- **No thread count**: the C loops' last argument (host threads) is accepted and ignored here.
 - **Rounding as the C loops and torch**: ``enable_fp_fusion=False`` (no FMA contraction, as
   ``-ffp-contract=off``), ``div_rn``/``sqrt_rn`` (correctly rounded, where Triton's ``/`` and
   ``sqrt`` are approximate on the GPU), sums of squares in float64 (the order differs from the
@@ -405,10 +405,10 @@ class TritonPasses:
             self._over_k(kp, launch, sums=False)
         return self._add_scaled_grads(ntensor, gtab, numels, e, s, lo, hi, rho, cand)
 
-    def scape_gather(self, k, idx, base, src, values):
+    def scape_gather(self, k, idx, base, src, values, nthreads=1):
         return self._gather(k, idx, base, src, values, False)
 
-    def scape_take(self, k, idx, src, values):
+    def scape_take(self, k, idx, src, values, nthreads=1):
         return self._gather(k, idx, 0, src, values, True)
 
     def _over_k(self, k: int, launch, dtype=torch.float64, sums: bool = True):
@@ -432,7 +432,7 @@ class TritonPasses:
                 TAKE=take, ALIGNED=_aligned(i, v), BLOCK=K_BLOCK)
         return self._over_k(k, launch)
 
-    def scape_ghat(self, k, idx, base, b, rho, m, beta1, d):
+    def scape_ghat(self, k, idx, base, b, rho, m, beta1, d, nthreads=1):
         def launch(a, n, parts):
             i, bb = idx + 8 * a, b + 4 * a
             run(_ghat_kernel, (triton.cdiv(n, K_BLOCK),), n, i, base, bb, rho or 0, m, parts,
@@ -441,7 +441,8 @@ class TritonPasses:
         return self._over_k(k, launch)
 
     def scape_adams(self, idx, j0, k, base, ghat, m, mlen, zidx, kz, ttab, nseg, out, work,
-                    coef, clip, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, bias):
+                    coef, clip, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, bias,
+                    nthreads=1):
         if k:    # m at the mask, read before m is zeroed on its old support
             self._gather(k, idx + 8 * j0, base, m, work, False)
         if kz < 0:
@@ -467,13 +468,13 @@ class TritonPasses:
                 ALIGNED=_aligned(i), BLOCK=K_BLOCK)
         return self._over_k(k, launch)
 
-    def scape_scatter_params(self, idx, stab, nseg, values):
+    def scape_scatter_params(self, idx, stab, nseg, values, nthreads=1):
         blocks, st = self._segment_blocks(stab, nseg, 5)
         nblk = blocks.numel() // 2
         if nblk:
             run(_scatter_params_kernel, (nblk,), blocks, st, idx, values, BLOCK=K_BLOCK)
 
-    def scape_count_at(self, mask, idx, k):
+    def scape_count_at(self, mask, idx, k, nthreads=1):
         def launch(a, n, parts):
             i = idx + 8 * a
             run(_count_at_kernel, (triton.cdiv(n, K_BLOCK),), mask, i, n, parts,

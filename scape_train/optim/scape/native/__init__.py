@@ -13,6 +13,8 @@ the torch path, which is also the reference the C loops are tested against. What
 
 The loops are called through ``ctypes`` on the tensors' raw pointers; ctypes drops the GIL for
 the call, so a background collective keeps progressing. The callers check contiguity and dtype.
+The loops take a thread count last (``torch.get_num_threads()``, from the caller):
+what they write, and the sums they return, are the same for any count (``scape_cpu.c``).
 """
 
 from __future__ import annotations
@@ -37,20 +39,21 @@ _state: dict = {}
 
 _P, _I, _F, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
 _SIGNATURES = {
-    "scape_mask_decode": (_I, [_I, _P, _P, _I, _P, _I, _P, _I]),
-    "scape_mask_encode": (_I, [_I, _P, _P, _P, _I]),
+    "scape_mask_decode": (_I, [_I, _P, _P, _I, _P, _I, _P, _I, ctypes.c_int]),
+    "scape_mask_encode": (_I, [_I, _P, _P, _P, _I, ctypes.c_int]),
     "scape_prepare_replicated": (_D, [_I, _P, _P, _P, _P, _P, _I, _P, _I, _F, _F, ctypes.c_int]),
     "scape_prepare_replicated_general": (_D, [_I, _P, _P, _P, _P, _F, _F, ctypes.c_int]),
     "scape_prepare_sharded": (_D, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _F, _F,
                                    ctypes.c_int]),
-    "scape_gather": (_D, [_I, _P, _I, _P, _P]),
-    "scape_take": (_D, [_I, _P, _P, _P]),
-    "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _F, _F]),
+    "scape_gather": (_D, [_I, _P, _I, _P, _P, ctypes.c_int]),
+    "scape_take": (_D, [_I, _P, _P, _P, ctypes.c_int]),
+    "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _F, _F, ctypes.c_int]),
     "scape_adams": (None, [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _F,
-                           ctypes.c_int, _F, _F, _F, _F, _F, _F, _F, _F, ctypes.c_int]),
-    "scape_count_at": (_I, [_P, _P, _I]),
-    "scape_scatter_params": (None, [_P, _P, _I, _P]),
-    "scape_topk_bits": (_I, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
+                           ctypes.c_int, _F, _F, _F, _F, _F, _F, _F, _F, ctypes.c_int,
+                           ctypes.c_int]),
+    "scape_count_at": (_I, [_P, _P, _I, ctypes.c_int]),
+    "scape_scatter_params": (None, [_P, _P, _I, _P, ctypes.c_int]),
+    "scape_topk_bits": (_I, [_P, _I, _I, _P, _I, _I, _P, _P, _I, ctypes.c_int]),
 }
 
 
@@ -67,9 +70,10 @@ def _col_sum(tab: int, rows: int, width: int, col: int) -> int:
 
 _TRAFFIC = {
     # mask write (1 B per element), the indices (8 B per one), the gathered bytes read
-    "scape_mask_decode": lambda nseg, tab, buf, n, mask, total, idx, cap: total + 8 * cap + n,
+    "scape_mask_decode": lambda nseg, tab, buf, n, mask, total, idx, cap, *_:
+        total + 8 * cap + n,
     # the owner's bits read, its shard written
-    "scape_mask_encode": lambda nseg, tab, bits, shard, n: _col_sum(tab, nseg, 8, 2) + n,
+    "scape_mask_encode": lambda nseg, tab, bits, shard, n, *_: _col_sum(tab, nseg, 8, 2) + n,
     # g, e read, e written per element; at m's support idx, m, g, e read, e written
     "scape_prepare_replicated": lambda nt, gtab, numels, e, m, pidx, kp, *_:
         12 * sum(_i64s(numels, nt)) + 24 * kp,
@@ -84,12 +88,12 @@ _TRAFFIC = {
     # written; m zeroed at its old support (all of m when unknown)
     "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, *_:
         40 * k + (4 * mlen if kz < 0 else 12 * kz),
-    "scape_count_at": lambda mask, idx, k: 9 * k,
-    "scape_scatter_params": lambda idx, stab, nseg, v:
+    "scape_count_at": lambda mask, idx, k, *_: 9 * k,
+    "scape_scatter_params": lambda idx, stab, nseg, v, *_:
         16 * (_col_sum(stab, nseg, 5, 3) - _col_sum(stab, nseg, 5, 2)),
     # the sample, two passes over |c| (bits written in the second), the candidates
-    "scape_topk_bits": lambda c, n, k, smp, ssize, rank, bits, work, cap: 12 * ssize + 9 * n
-        + 8 * k,
+    "scape_topk_bits": lambda c, n, k, smp, ssize, rank, bits, work, cap, *_: 12 * ssize
+        + 9 * n + 8 * k,
 }
 counters: list = []          # DeviceOpCounters in effect (profiling.py registers them)
 

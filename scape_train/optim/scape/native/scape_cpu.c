@@ -16,6 +16,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef int64_t i64;
@@ -46,128 +47,114 @@ static inline void write_field(u8 *buf, i64 len, i64 pos, int width, u64 value) 
     for (int i = 0; i < nbytes && byte + i < len; i++) buf[byte + i] |= (u8)(v >> (8 * i));
 }
 
-/* Decode a whole mask. ``tab``: 8 int64 per segment, in flat order:
- *   kind, flat_start, numel, k, width, low (byte offset of the field stream in ``buf``),
- *   high (byte offset of the bitmap / upper bit vector), high_bytes.
- * Writes the bool mask (``total`` bytes) and the sorted flat indices of its ones into ``idx``
- * (room for ``cap``). Returns the number of ones, or -1 - s when segment s is corrupt (a count,
- * position or length that does not match its plan): nothing is written out of bounds. */
-i64 scape_mask_decode(i64 nseg, const i64 *tab, const u8 *buf, i64 len, u8 *mask, i64 total,
-                      i64 *idx, i64 cap) {
-    memset(mask, 0, (size_t)total);
-    i64 at = 0;
-    for (i64 s = 0; s < nseg; s++) {
-        const i64 *r = tab + 8 * s;
-        i64 kind = r[0], flat = r[1], numel = r[2], k = r[3];
-        int width = (int)r[4];
-        i64 low = r[5], high = r[6], hbytes = r[7];
-        if (flat < 0 || numel < 0 || flat + numel > total) return -1 - s;
-        if (kind == K_ALL) {
-            if (at + numel > cap) return -1 - s;
-            memset(mask + flat, 1, (size_t)numel);
-            for (i64 i = 0; i < numel; i++) idx[at++] = flat + i;
-            continue;
-        }
-        if (at + k > cap) return -1 - s;
-        i64 start = at;
-        if (kind == K_BITMAP) {
-            if (high + hbytes > len) return -1 - s;
-            for (i64 b = 0; b < hbytes; b++) {
-                unsigned v = buf[high + b];
-                while (v) {
-                    i64 p = 8 * b + __builtin_ctz(v);
-                    v &= v - 1;
-                    if (p >= numel || at - start >= k) return -1 - s;
-                    mask[flat + p] = 1;
-                    idx[at++] = flat + p;
-                }
-            }
-        } else if (kind == K_INDICES) {
-            if (low + ((k * width + 7) >> 3) > len) return -1 - s;
-            i64 prev = -1;
-            for (i64 j = 0; j < k; j++) {
-                i64 p = (i64)read_field(buf, len, 8 * low + j * width, width);
-                if (p >= numel || p <= prev) return -1 - s;
-                prev = p;
-                mask[flat + p] = 1;
-                idx[at++] = flat + p;
-            }
-        } else if (kind == K_EF) {
-            if (high + hbytes > len || low + ((k * width + 7) >> 3) > len) return -1 - s;
-            i64 j = 0, prev = -1;
-            for (i64 b = 0; b < hbytes; b++) {
-                unsigned v = buf[high + b];
-                while (v) {
-                    i64 pos = 8 * b + __builtin_ctz(v);
-                    v &= v - 1;
-                    if (j >= k) return -1 - s;
-                    i64 lo = width ? (i64)read_field(buf, len, 8 * low + j * width, width) : 0;
-                    i64 p = ((pos - j) << width) | lo;
-                    if (p >= numel || p <= prev) return -1 - s;
-                    prev = p;
-                    mask[flat + p] = 1;
-                    idx[at++] = flat + p;
-                    j++;
-                }
-            }
-        } else {
-            return -1 - s;
-        }
-        if (at - start != k) return -1 - s;
-    }
-    return at;
+/* ---------------------------------------------------------------------------------------------
+ * Threads. Every threaded loop here is a list of independent jobs (contiguous ranges of the flat
+ * space, of an index list, or a top-k's parts) run on up to ``nthreads`` threads (torch's
+ * intra-op thread count, from the caller), each thread a contiguous run of jobs, the caller's
+ * thread one of them. Nothing that is written depends on the split: the elementwise passes write
+ * disjoint elements (the index lists hold each index once), and a double sum is taken per block
+ * of SUM_BLOCK entries (a constant), the blocks' partial sums then added in block order, however
+ * the blocks fell to threads. */
+#define MAX_THREADS 64
+#define MIN_PER_THREAD (1 << 18)   /* full-size passes: less per thread costs more than it saves */
+#define SUM_BLOCK ((i64)1 << 16)   /* entries per partial sum (and per job of a k-sized pass) */
+
+/* jobs [first, end) of a pass; ``part`` (NULL for a pass without a sum): one double per job */
+typedef void (*jobs_fn)(void *ctx, i64 first, i64 end, double *part);
+
+typedef struct {
+    jobs_fn fn;
+    void *ctx;
+    i64 first, end;
+    double *part;
+} worker;
+
+static void *worker_main(void *arg) {
+    worker *w = (worker *)arg;
+    w->fn(w->ctx, w->first, w->end, w->part ? w->part + w->first : NULL);
+    return NULL;
 }
 
-/* Encode an owner's segments. ``tab``: 8 int64 per segment:
- *   kind, start (in ``bits``), numel, k, width, off (byte offset in ``shard``), low_bytes,
- *   high_bytes.
- * ``bits``: the owner's bool mask over its range. Returns 0, or -1 - s when segment s holds
- * another number of ones than its plan says. */
-i64 scape_mask_encode(i64 nseg, const i64 *tab, const u8 *bits, u8 *shard, i64 len) {
-    memset(shard, 0, (size_t)len);
-    for (i64 s = 0; s < nseg; s++) {
-        const i64 *r = tab + 8 * s;
-        i64 kind = r[0], start = r[1], numel = r[2], k = r[3];
-        int width = (int)r[4];
-        i64 off = r[5], lbytes = r[6], hbytes = r[7];
-        const u8 *b = bits + start;
-        if (kind == K_ALL) continue;
-        if (kind == K_BITMAP) {
-            u8 *out = shard + off;
-            for (i64 i = 0; i < numel; i++)
-                if (b[i]) out[i >> 3] |= (u8)(1u << (i & 7));
-            continue;
-        }
-        u8 *lowp = shard + off;
-        u8 *up = shard + off + lbytes;
-        u64 lmask = width >= 64 ? ~0ULL : ((1ULL << width) - 1);
-        i64 j = 0;
-        for (i64 i = 0; i < numel; i++) {
-            if (!b[i]) continue;
-            if (j >= k) return -1 - s;
-            if (kind == K_INDICES) {
-                write_field(lowp, lbytes, j * width, width, (u64)i);
-            } else {
-                if (width) write_field(lowp, lbytes, j * width, width, (u64)i & lmask);
-                i64 u = (i >> width) + j;
-                if ((u >> 3) >= hbytes) return -1 - s;
-                up[u >> 3] |= (u8)(1u << (u & 7));
-            }
-            j++;
-        }
-        if (j != k) return -1 - s;
-    }
-    return 0;
+/* threads for a full-size pass over ``n`` elements */
+static int full_threads(int nthreads, i64 n) {
+    i64 most = n / MIN_PER_THREAD;
+    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+    return (i64)nthreads > most ? (int)(most > 1 ? most : 1) : (nthreads < 1 ? 1 : nthreads);
 }
+
+static int clamp_threads(int nthreads, i64 njobs) {
+    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+    if ((i64)nthreads > njobs) nthreads = (int)njobs;
+    return nthreads < 1 ? 1 : nthreads;
+}
+
+/* workers 1.. on threads of their own, worker 0 on the caller's; all done on return */
+static void launch(worker *w, int nthreads) {
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    for (int t = 1; t < nthreads; t++)
+        started[t] = pthread_create(&tid[t], NULL, worker_main, &w[t]) == 0;
+    worker_main(&w[0]);
+    for (int t = 1; t < nthreads; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else worker_main(&w[t]);           /* no thread: the caller does its part */
+    }
+}
+
+/* jobs [0, njobs) in equal runs */
+static void run_jobs(i64 njobs, int nthreads, jobs_fn fn, void *ctx, double *part) {
+    worker w[MAX_THREADS];
+    nthreads = clamp_threads(nthreads, njobs);
+    for (int t = 0; t < nthreads; t++)
+        w[t] = (worker){fn, ctx, njobs * t / nthreads, njobs * (t + 1) / nthreads, part};
+    launch(w, nthreads);
+}
+
+/* jobs [0, njobs) in runs of about equal weight (``cum``: njobs + 1 ascending totals, cum[0] =
+ * 0), at most one thread per MIN_PER_THREAD of weight */
+static void run_weighted(i64 njobs, const i64 *cum, int nthreads, jobs_fn fn, void *ctx) {
+    worker w[MAX_THREADS];
+    nthreads = clamp_threads(full_threads(nthreads, cum[njobs]), njobs);
+    i64 j = 0;
+    for (int t = 0; t < nthreads; t++) {
+        i64 first = j, goal = cum[njobs] / nthreads * (t + 1);
+        if (t == nthreads - 1) j = njobs;
+        while (j < njobs && cum[j] + cum[j + 1] <= 2 * goal) j++;   /* by the jobs' midpoints */
+        w[t] = (worker){fn, ctx, first, j, NULL};
+    }
+    launch(w, nthreads);
+}
+
+/* the jobs' partial sums added in job order (the jobs: blocks of SUM_BLOCK entries) */
+static double blocked_sum(i64 nblocks, int nthreads, jobs_fn fn, void *ctx) {
+    double local[256];
+    double *part = nblocks <= 256 ? local : (double *)malloc(sizeof(double) * (size_t)nblocks);
+    double sq = 0.0;
+    if (!part) {            /* no room for the partials: the blocks one after another */
+        for (i64 b = 0; b < nblocks; b++) {
+            double p;
+            fn(ctx, b, b + 1, &p);
+            sq += p;
+        }
+        return sq;
+    }
+    run_jobs(nblocks, nthreads, fn, ctx, part);
+    for (i64 b = 0; b < nblocks; b++) sq += part[b];
+    if (part != local) free(part);
+    return sq;
+}
+
+static inline i64 nblocks_of(i64 n) { return n > 0 ? (n + SUM_BLOCK - 1) / SUM_BLOCK : 0; }
+static inline i64 min64(i64 a, i64 b) { return a < b ? a : b; }
+static inline i64 max64(i64 a, i64 b) { return a > b ? a : b; }
 
 /* The full-size prepare passes, over every tensor (``gtab``: 2 int64 per tensor: gradient
  * pointer, flat offset; ``numels`` per tensor; the gradients are read, not changed):
  *   ADD      e += round(s·g)                                   (Σ e², the new residual's)
  *   GENERAL  e = (β1·m + s·g) + e                              (Σ c²)
  *   CAND     e += round(s·g), and on the own flat range [lo, hi) cand[f - lo] = ρ[f - lo] + e
- * Split over ``nthreads`` threads by contiguous flat ranges (torch's intra-op thread count, from
- * the caller): elementwise, so e and cand do not depend on the split; the double sum is added
- * per thread, then in thread order (fixed for a given thread count). */
+ * Jobs: the flat blocks of SUM_BLOCK entries (elementwise, so e and cand do not depend on the
+ * split; each block's sum over its tensors' pieces in table order). */
 enum { P_ADD = 0, P_GENERAL = 1, P_CAND = 2 };
 
 typedef struct {
@@ -178,8 +165,7 @@ typedef struct {
     const float *m;
     float beta1, s;
     i64 lo, hi;             /* CAND: the own range */
-    i64 start, end;         /* this worker's flat range */
-    double sq;
+    i64 total;              /* the flat size */
 } prep_job;
 
 static double prep_span(const prep_job *j, const float *g, float *et, const float *mt, i64 a,
@@ -205,72 +191,51 @@ static double prep_span(const prep_job *j, const float *g, float *et, const floa
     return sq;
 }
 
-static void *prep_run(void *arg) {
-    prep_job *j = (prep_job *)arg;
-    double sq = 0.0;
-    for (i64 t = 0; t < j->ntensor; t++) {
-        i64 off = j->gtab[2 * t + 1], n = j->numels[t];
-        i64 a = j->start - off, b = j->end - off;          /* this worker's part of tensor t */
-        a = a < 0 ? 0 : a;
-        b = b > n ? n : b;
-        if (a >= b) continue;
-        const float *g = (const float *)(intptr_t)j->gtab[2 * t];
-        float *et = j->e + off;
-        const float *mt = j->m ? j->m + off : NULL;
-        if (j->kind != P_CAND) {
-            sq += prep_span(j, g, et, mt, a, b);
-            continue;
-        }
-        i64 oa = j->lo - off, ob = j->hi - off;             /* the own range, clipped */
-        oa = oa < a ? a : (oa > b ? b : oa);
-        ob = ob < oa ? oa : (ob > b ? b : ob);
-        sq += prep_span(j, g, et, mt, a, oa);
-        const float *rt = j->rho + (off - j->lo);
-        float *ct = j->cand + (off - j->lo);
-        const float s = j->s;
+/* tensor t's entries [a, b) (tensor-local), its offset ``off``: the pass, and its Σ */
+static double prep_piece(const prep_job *j, i64 t, i64 off, i64 a, i64 b) {
+    const float *g = (const float *)(intptr_t)j->gtab[2 * t];
+    float *et = j->e + off;
+    const float *mt = j->m ? j->m + off : NULL;
+    if (j->kind != P_CAND) return prep_span(j, g, et, mt, a, b);
+    i64 oa = j->lo - off, ob = j->hi - off;             /* the own range, clipped */
+    oa = oa < a ? a : (oa > b ? b : oa);
+    ob = ob < oa ? oa : (ob > b ? b : ob);
+    double sq = prep_span(j, g, et, mt, a, oa);
+    const float *rt = j->rho + (off - j->lo);
+    float *ct = j->cand + (off - j->lo);
+    const float s = j->s;
 #pragma omp simd reduction(+ : sq)
-        for (i64 i = oa; i < ob; i++) {
-            float y = et[i] + s * g[i];
-            et[i] = y;
-            ct[i] = rt[i] + y;
-            sq += (double)y * (double)y;
-        }
-        sq += prep_span(j, g, et, mt, ob, b);
+    for (i64 i = oa; i < ob; i++) {
+        float y = et[i] + s * g[i];
+        et[i] = y;
+        ct[i] = rt[i] + y;
+        sq += (double)y * (double)y;
     }
-    j->sq = sq;
-    return NULL;
+    return sq + prep_span(j, g, et, mt, ob, b);
 }
 
-#define MAX_THREADS 64
-#define MIN_PER_THREAD (1 << 18)   /* below this, a thread costs more than it saves */
+static void prep_blocks(void *arg, i64 b0, i64 b1, double *part) {
+    const prep_job *j = (const prep_job *)arg;
+    i64 start = b0 * SUM_BLOCK, end = min64(b1 * SUM_BLOCK, j->total);
+    for (i64 b = b0; b < b1; b++) part[b - b0] = 0.0;
+    for (i64 t = 0; t < j->ntensor; t++) {
+        i64 off = j->gtab[2 * t + 1];
+        i64 a = max64(start - off, 0), b = min64(end - off, j->numels[t]);
+        while (a < b) {                     /* this worker's part of tensor t, block by block */
+            i64 blk = (off + a) / SUM_BLOCK;
+            i64 y = min64(b, (blk + 1) * SUM_BLOCK - off);
+            part[blk - b0] += prep_piece(j, t, off, a, y);
+            a = y;
+        }
+    }
+}
 
-static double prep_parallel(prep_job base, int nthreads) {
-    i64 total = 0;
-    for (i64 t = 0; t < base.ntensor; t++) {
-        i64 end = base.gtab[2 * t + 1] + base.numels[t];
-        total = end > total ? end : total;
-    }
-    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-    if ((i64)nthreads > total / MIN_PER_THREAD) nthreads = (int)(total / MIN_PER_THREAD);
-    if (nthreads < 1) nthreads = 1;
-    prep_job jobs[MAX_THREADS];
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS];
-    i64 chunk = (total + nthreads - 1) / nthreads;
-    for (int w = 0; w < nthreads; w++) {
-        jobs[w] = base;
-        jobs[w].start = w * chunk;
-        jobs[w].end = (w + 1) * chunk < total ? (w + 1) * chunk : total;
-        started[w] = w > 0 && pthread_create(&tid[w], NULL, prep_run, &jobs[w]) == 0;
-    }
-    prep_run(&jobs[0]);
-    double sq = jobs[0].sq;
-    for (int w = 1; w < nthreads; w++) {
-        if (started[w]) pthread_join(tid[w], NULL);
-        else prep_run(&jobs[w]);           /* no thread: the caller does its part */
-        sq += jobs[w].sq;
-    }
-    return sq;
+static double prep_parallel(prep_job job, int nthreads) {
+    job.total = 0;
+    for (i64 t = 0; t < job.ntensor; t++)
+        job.total = max64(job.total, job.gtab[2 * t + 1] + job.numels[t]);
+    return blocked_sum(nblocks_of(job.total), full_threads(nthreads, job.total), prep_blocks,
+                       &job);
 }
 
 static prep_job prep_job_of(int kind, i64 ntensor, const i64 *gtab, const i64 *numels, float *e,
@@ -288,30 +253,144 @@ static prep_job prep_job_of(int kind, i64 ntensor, const i64 *gtab, const i64 *n
     return j;
 }
 
-/* Replicated prepare, m's support known (``pidx``: the previous mask's sorted flat indices):
- *   e += round(s·g) on every tensor;  e[pidx] = β1·m[pidx] + s·g[pidx]   (there e_{t-1} = 0).
- * ``ptab``: 4 int64 per segment of pidx: gradient pointer, flat offset, a, b. Returns Σ c²
- * over the whole candidate c (= e on return). */
+/* The k-sized passes: jobs are blocks of SUM_BLOCK entries of the index list, entries
+ * [j0, j0 + k). A pass is a ``span_fn`` over entries [a, b) of one block, returning their sum
+ * (or 0); with a segment table (rows of ``width`` int64: pointer, flat offset, a, b, ...) it is
+ * called on each row's part of the block, a block's sum then its rows' sums in row order. */
+typedef struct kpass kpass;
+typedef double (*span_fn)(const kpass *p, const i64 *row, i64 a, i64 b);
+
+struct kpass {
+    span_fn fn;
+    const i64 *idx;         /* the index list */
+    i64 k, base, j0;        /* entries [j0, j0 + k) (j0: scape_adams' slice), flat index - base */
+    float *src, *values, *rho, *m, *work, *out;
+    const float *cvalues, *mc;
+    const i64 *tab;         /* a segment table, its rows and their width; NULL: none */
+    i64 nseg, width;
+    const u8 *mask;
+    u8 *bytes;
+    float beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, coef, d;
+    int take, clip, bias;
+};
+
+static void kpass_jobs(void *arg, i64 b0, i64 b1, double *part) {
+    const kpass *p = (const kpass *)arg;
+    for (i64 blk = b0; blk < b1; blk++) {
+        i64 a = p->j0 + blk * SUM_BLOCK, b = min64(a + SUM_BLOCK, p->j0 + p->k);
+        double sq = 0.0;
+        if (!p->tab) {
+            sq = p->fn(p, NULL, a, b);
+        } else {
+            for (i64 q = 0; q < p->nseg; q++) {
+                const i64 *r = p->tab + p->width * q;
+                i64 ra = max64(r[2], a), rb = min64(r[3], b);
+                if (ra < rb) sq += p->fn(p, r, ra, rb);
+            }
+        }
+        if (part) part[blk - b0] = sq;
+    }
+}
+
+/* the pass on threads, its blocks' sums added in block order */
+static double kpass_sum(kpass *p, int nthreads) {
+    return blocked_sum(nblocks_of(p->k), nthreads, kpass_jobs, p);
+}
+
+static void kpass_run(kpass *p, int nthreads) {
+    run_jobs(nblocks_of(p->k), nthreads, kpass_jobs, p, NULL);
+}
+
+static double gather_span(const kpass *p, const i64 *row, i64 a, i64 b) {
+    (void)row;
+    double sq = 0.0;
+    for (i64 j = a; j < b; j++) {
+        i64 i = p->idx[j] - p->base;
+        float v = p->src[i];
+        p->values[j] = v;
+        if (p->take) p->src[i] = 0.0f;
+        sq += (double)v * (double)v;
+    }
+    return sq;
+}
+
+/* values[j] = src[idx[j] - base] (a gather: the payload, or the candidate at the mask); returns
+ * Σ values² (the mask's share of ‖c‖², for the residual-norm metric) */
+double scape_gather(i64 k, const i64 *idx, i64 base, const float *src, float *values,
+                    int nthreads) {
+    kpass p = {.fn = gather_span, .k = k, .idx = idx, .base = base, .src = (float *)src,
+               .values = values};
+    return kpass_sum(&p, nthreads);
+}
+
+/* values[j] = src[idx[j]], then src[idx[j]] = 0: the sharded payload gathered and ε folded,
+ * ε = (1-M)⊙x, in one pass; returns Σ values² */
+double scape_take(i64 k, const i64 *idx, float *src, float *values, int nthreads) {
+    kpass p = {.fn = gather_span, .k = k, .idx = idx, .src = src, .values = values, .take = 1};
+    return kpass_sum(&p, nthreads);
+}
+
+static double ghat_span(const kpass *p, const i64 *row, i64 a, i64 b) {
+    (void)row;
+    const float nb = -p->beta1, d = p->d;
+    float *bv = p->values, *rho = p->rho;
+    const float *m = p->mc;
+    double sq = 0.0;
+    for (i64 j = a; j < b; j++) {
+        i64 i = p->idx[j] - p->base;
+        float t = bv[j];
+        if (rho) {
+            t = t + rho[i];
+            rho[i] = 0.0f;
+        }
+        float g = m[i] * nb + t;
+        g = g / d;
+        bv[j] = g;
+        sq += (double)g * (double)g;
+    }
+    return sq;
+}
+
+/* ĝ from the averaged payload, in place: with t = b[j] (+ ρ[i], sharded, then ρ[i] = 0),
+ *   ĝ[j] = (m[i]·(-β1) + t) / (1-β1),   i = idx[j] - base;
+ * returns Σ ĝ² (double, by blocks: the same for any thread count). */
+double scape_ghat(i64 k, const i64 *idx, i64 base, float *b, float *rho, const float *m,
+                  float beta1, float d, int nthreads) {
+    kpass p = {.fn = ghat_span, .k = k, .idx = idx, .base = base, .values = b, .rho = rho,
+               .mc = m, .beta1 = beta1, .d = d};
+    return kpass_sum(&p, nthreads);
+}
+
+/* Replicated prepare's fix-up at m's support (rows: gradient pointer, offset, a, b over pidx):
+ * e[i] = β1·m[i] + s·g[i]; Σ (c² - old e²) */
+static double fix_span(const kpass *p, const i64 *r, i64 a, i64 b) {
+    const float beta1 = p->beta1, s = p->d;
+    const float *g = (const float *)(intptr_t)r[0];
+    i64 off = r[1];
+    double sq = 0.0;
+    for (i64 j = a; j < b; j++) {
+        i64 i = p->idx[j];
+        float x = p->mc[i] * beta1;
+        float y = s * g[i - off];
+        float c = x + y;
+        sq += (double)c * (double)c - (double)p->src[i] * (double)p->src[i];
+        p->src[i] = c;
+    }
+    return sq;
+}
+
+/* Replicated prepare, m's support known (``pidx``: the previous mask's ``kp`` sorted flat
+ * indices): e += round(s·g) on every tensor;  e[pidx] = β1·m[pidx] + s·g[pidx]   (there
+ * e_{t-1} = 0). ``ptab``: 4 int64 per segment of pidx: gradient pointer, flat offset, a, b.
+ * Returns Σ c² over the whole candidate c (= e on return). */
 double scape_prepare_replicated(i64 ntensor, const i64 *gtab, const i64 *numels, float *e,
                                 const float *m, const i64 *pidx, i64 kp, const i64 *ptab,
                                 i64 npseg, float beta1, float s, int nthreads) {
     double sq = prep_parallel(prep_job_of(P_ADD, ntensor, gtab, numels, e, NULL, 0.0f, s),
                               nthreads);
-    (void)kp;
-    for (i64 q = 0; q < npseg; q++) {
-        const i64 *r = ptab + 4 * q;
-        const float *g = (const float *)(intptr_t)r[0];
-        i64 off = r[1];
-        for (i64 j = r[2]; j < r[3]; j++) {
-            i64 i = pidx[j];
-            float a = m[i] * beta1;
-            float b = s * g[i - off];
-            float c = a + b;
-            sq += (double)c * (double)c - (double)e[i] * (double)e[i];
-            e[i] = c;
-        }
-    }
-    return sq;
+    kpass p = {.fn = fix_span, .k = kp, .idx = pidx, .tab = ptab, .nseg = npseg, .width = 4,
+               .src = e, .mc = m, .beta1 = beta1, .d = s};
+    return sq + kpass_sum(&p, nthreads);
 }
 
 /* Replicated prepare, m's support unknown (the first step, after a load): the GENERAL pass */
@@ -322,15 +401,24 @@ double scape_prepare_replicated_general(i64 ntensor, const i64 *gtab, const i64 
                          nthreads);
 }
 
+/* src[idx[j]] = β1·m[idx[j]] (mc NULL: src[idx[j]] = 0) */
+static double fill_span(const kpass *p, const i64 *row, i64 a, i64 b) {
+    (void)row;
+    if (p->mc) {
+        for (i64 j = a; j < b; j++) p->src[p->idx[j]] = p->mc[p->idx[j]] * p->beta1;
+    } else {
+        for (i64 j = a; j < b; j++) p->src[p->idx[j]] = 0.0f;
+    }
+    return 0.0;
+}
+
 /* Sharded prepare: ρ[i] = β1·m[i] at the owner's m support ``pidx_own`` (indices into the own
  * range [lo, hi), which ρ and m cover); then the CAND pass. Returns Σ ε² (new ε). */
 double scape_prepare_sharded(i64 ntensor, const i64 *gtab, const i64 *numels, float *e,
                              float *rho, const float *m, const i64 *pidx_own, i64 kp, i64 lo,
                              i64 hi, float *cand, float beta1, float s, int nthreads) {
-    for (i64 j = 0; j < kp; j++) {
-        i64 i = pidx_own[j];
-        rho[i] = m[i] * beta1;
-    }
+    kpass p = {.fn = fill_span, .k = kp, .idx = pidx_own, .src = rho, .mc = m, .beta1 = beta1};
+    kpass_run(&p, nthreads);
     prep_job job = prep_job_of(P_CAND, ntensor, gtab, numels, e, NULL, 0.0f, s);
     job.rho = rho;
     job.cand = cand;
@@ -339,78 +427,18 @@ double scape_prepare_sharded(i64 ntensor, const i64 *gtab, const i64 *numels, fl
     return prep_parallel(job, nthreads);
 }
 
-/* values[j] = src[idx[j] - base] (a gather: the payload, or the candidate at the mask); returns
- * Σ values² (the mask's share of ‖c‖², for the residual-norm metric) */
-double scape_gather(i64 k, const i64 *idx, i64 base, const float *src, float *values) {
-    double sq = 0.0;
-    for (i64 j = 0; j < k; j++) {
-        float v = src[idx[j] - base];
-        values[j] = v;
-        sq += (double)v * (double)v;
-    }
-    return sq;
-}
-
-/* values[j] = src[idx[j]], then src[idx[j]] = 0: the sharded payload gathered and ε folded,
- * ε = (1-M)⊙x, in one pass; returns Σ values² */
-double scape_take(i64 k, const i64 *idx, float *src, float *values) {
-    double sq = 0.0;
-    for (i64 j = 0; j < k; j++) {
-        float v = src[idx[j]];
-        values[j] = v;
-        src[idx[j]] = 0.0f;
-        sq += (double)v * (double)v;
-    }
-    return sq;
-}
-
-/* ĝ from the averaged payload, in place: with t = b[j] (+ ρ[i], sharded, then ρ[i] = 0),
- *   ĝ[j] = (m[i]·(-β1) + t) / (1-β1),   i = idx[j] - base;
- * returns Σ ĝ² (double). */
-double scape_ghat(i64 k, const i64 *idx, i64 base, float *b, float *rho, const float *m,
-                  float beta1, float d) {
-    const float nb = -beta1;
-    double sq = 0.0;
-    for (i64 j = 0; j < k; j++) {
-        i64 i = idx[j] - base;
-        float t = b[j];
-        if (rho) {
-            t = t + rho[i];
-            rho[i] = 0.0f;
-        }
-        float g = m[i] * nb + t;
-        g = g / d;
-        b[j] = g;
-        sq += (double)g * (double)g;
-    }
-    return sq;
-}
-
-/* AdamS on the k mask positions (adams_update_'s ops; the weight decay already applied to θ):
- *   ĝ ← coef·ĝ;  prev = m (or m/bc1);  v = β2·prev² + (1-β2)·ĝ²;  m' = β1·m + (1-β1)·ĝ;
- *   θ ← θ + ns·m' / (sqrt(v)/sqrt(bc2) (adam only) + eps), ns = -step;  ĝ[j] ← m' (the new
- *   momentum); omb1, omb2 = 1-β1, 1-β2.
- * θ: parameters by segment (``ttab``: 4 int64 per segment: pointer, flat offset, a, b, over
- * the index list), read and, when ``out`` is NULL, written back; else the new θ goes to
- * out[j - j0] (a sharded owner's contiguous shard). ``ghat`` holds index-list entries
- * [j0, j0 + k); ``m`` is indexed by flat index - ``base``. ``bias``: 0 none, 1 adam, 2 official.
- * The momentum is set here too: m ← 0 on ``zidx`` (or everywhere, kz < 0), m[i] ← m'.
- * ``work``: room for k floats. Loops: gather m, the arithmetic on contiguous arrays, then θ by
- * segment. */
-void scape_adams(const i64 *idx, i64 j0, i64 k, i64 base, float *ghat, float *m, i64 mlen,
-                 const i64 *zidx, i64 kz, const i64 *ttab, i64 nseg, float *out, float *work,
-                 float coef, int clip, float beta1, float beta2, float omb1, float omb2,
-                 float bc1, float sqrt_bc2, float eps, float ns, int bias) {
-    const i64 *ix = idx + j0;
-    for (i64 j = 0; j < k; j++) work[j] = m[ix[j] - base];
-    /* the old momentum is read: m <- 0 off the new mask (on m's old support ``zidx``, indices
-     * into m; all of m when its support is unknown, kz < 0), the new values land below */
-    if (kz < 0) memset(m, 0, sizeof(float) * (size_t)mlen);
-    for (i64 j = 0; j < kz; j++) m[zidx[j]] = 0.0f;
-    for (i64 j = 0; j < k; j++) {
-        float g = ghat[j];
+/* scape_adams' first pass: m gathered at the mask, the arithmetic; work[j] = the update */
+static double adams_span(const kpass *p, const i64 *row, i64 a, i64 b) {
+    (void)row;
+    const float beta1 = p->beta1, beta2 = p->beta2, omb1 = p->omb1, omb2 = p->omb2;
+    const float bc1 = p->bc1, sqrt_bc2 = p->sqrt_bc2, eps = p->eps, ns = p->ns, coef = p->coef;
+    const int clip = p->clip, bias = p->bias;
+    const i64 j0 = p->j0;
+    float *ghat = p->values, *work = p->work;       /* from index-list entry j0 */
+    for (i64 j = a; j < b; j++) {
+        float g = ghat[j - j0];
         if (clip) g = g * coef;
-        float mc = work[j];
+        float mc = p->m[p->idx[j] - p->base];
         float prev = bias == 2 ? mc / bc1 : mc;
         float v = prev * prev;
         v = v * beta2;
@@ -424,38 +452,127 @@ void scape_adams(const i64 *idx, i64 j0, i64 k, i64 base, float *ghat, float *m,
         if (bias == 1) den = den / sqrt_bc2;
         den = den + eps;
         float upd = ns * mn;
-        work[j] = upd / den;
-        ghat[j] = mn;
+        work[j - j0] = upd / den;
+        ghat[j - j0] = mn;
     }
-    for (i64 q = 0; q < nseg; q++) {
-        const i64 *r = ttab + 4 * q;
-        float *theta = (float *)(intptr_t)r[0];
-        i64 off = r[1];
-        for (i64 j = r[2]; j < r[3]; j++) {
-            float *th = theta + (idx[j] - off);
-            float nt = *th + work[j - j0];
-            if (out) out[j - j0] = nt; else *th = nt;
-            m[idx[j] - base] = ghat[j - j0];
-        }
+    return 0.0;
+}
+
+/* bytes [b0, b1) · MIN_PER_THREAD of ``bytes`` (``k`` long) zeroed */
+static void zero_blocks(void *arg, i64 b0, i64 b1, double *part) {
+    const kpass *p = (const kpass *)arg;
+    (void)part;
+    i64 a = b0 * MIN_PER_THREAD, b = min64(b1 * MIN_PER_THREAD, p->k);
+    if (a < b) memset(p->bytes + a, 0, (size_t)(b - a));
+}
+
+/* memset(dst, 0, nbytes) on threads */
+static void zero_parallel(void *dst, i64 nbytes, int nthreads) {
+    kpass z = {.k = nbytes, .bytes = (u8 *)dst};
+    run_jobs((nbytes + MIN_PER_THREAD - 1) / MIN_PER_THREAD, full_threads(nthreads, nbytes),
+             zero_blocks, &z, NULL);
+}
+
+/* scape_adams' last pass: θ by segment (rows: pointer, offset, a, b over the index list), and
+ * m[i] ← m' */
+static double theta_span(const kpass *p, const i64 *r, i64 a, i64 b) {
+    const i64 j0 = p->j0;
+    float *theta = (float *)(intptr_t)r[0];
+    i64 off = r[1];
+    for (i64 j = a; j < b; j++) {
+        float *th = theta + (p->idx[j] - off);
+        float nt = *th + p->work[j - j0];
+        if (p->out) p->out[j - j0] = nt; else *th = nt;
+        p->m[p->idx[j] - p->base] = p->values[j - j0];
     }
+    return 0.0;
+}
+
+/* AdamS on the k mask positions (adams_update_'s ops; the weight decay already applied to θ):
+ *   ĝ ← coef·ĝ;  prev = m (or m/bc1);  v = β2·prev² + (1-β2)·ĝ²;  m' = β1·m + (1-β1)·ĝ;
+ *   θ ← θ + ns·m' / (sqrt(v)/sqrt(bc2) (adam only) + eps), ns = -step;  ĝ[j] ← m' (the new
+ *   momentum); omb1, omb2 = 1-β1, 1-β2.
+ * θ: parameters by segment (``ttab``: 4 int64 per segment: pointer, flat offset, a, b, over
+ * the index list), read and, when ``out`` is NULL, written back; else the new θ goes to
+ * out[j - j0] (a sharded owner's contiguous shard). ``ghat`` holds index-list entries
+ * [j0, j0 + k); ``m`` is indexed by flat index - ``base``. ``bias``: 0 none, 1 adam, 2 official.
+ * The momentum is set here too: m ← 0 on ``zidx`` (or everywhere, kz < 0), m[i] ← m'.
+ * ``work``: room for k floats. Passes (each over blocks of the index list, on threads): m
+ * gathered and the arithmetic (the update into ``work``), m zeroed, then θ by segment and m. */
+void scape_adams(const i64 *idx, i64 j0, i64 k, i64 base, float *ghat, float *m, i64 mlen,
+                 const i64 *zidx, i64 kz, const i64 *ttab, i64 nseg, float *out, float *work,
+                 float coef, int clip, float beta1, float beta2, float omb1, float omb2,
+                 float bc1, float sqrt_bc2, float eps, float ns, int bias, int nthreads) {
+    kpass p = {.fn = adams_span, .k = k, .idx = idx, .base = base, .j0 = j0, .values = ghat,
+               .m = m, .work = work, .out = out, .coef = coef, .clip = clip, .beta1 = beta1,
+               .beta2 = beta2, .omb1 = omb1, .omb2 = omb2, .bc1 = bc1, .sqrt_bc2 = sqrt_bc2,
+               .eps = eps, .ns = ns, .bias = bias};
+    kpass_run(&p, nthreads);
+    /* the old momentum is read: m <- 0 off the new mask (on m's old support ``zidx``, indices
+     * into m; all of m when its support is unknown, kz < 0), the new values land below */
+    if (kz < 0) {
+        zero_parallel(m, 4 * mlen, nthreads);
+    } else {
+        kpass z = {.fn = fill_span, .k = kz, .idx = zidx, .src = m};
+        kpass_run(&z, nthreads);
+    }
+    p.fn = theta_span;
+    p.tab = ttab;
+    p.nseg = nseg;
+    p.width = 4;
+    kpass_run(&p, nthreads);
+}
+
+static double count_span(const kpass *p, const i64 *row, i64 a, i64 b) {
+    (void)row;
+    i64 n = 0;
+    for (i64 j = a; j < b; j++) n += p->mask[p->idx[j]] != 0;
+    return (double)n;           /* exact: a block's count, and their sum, < 2^53 */
 }
 
 /* how many of ``idx``'s positions are set in the bool ``mask`` (the masks' overlap metric) */
-i64 scape_count_at(const u8 *mask, const i64 *idx, i64 k) {
-    i64 n = 0;
-    for (i64 j = 0; j < k; j++) n += mask[idx[j]] != 0;
-    return n;
+i64 scape_count_at(const u8 *mask, const i64 *idx, i64 k, int nthreads) {
+    kpass p = {.fn = count_span, .k = k, .idx = idx, .mask = mask};
+    return (i64)kpass_sum(&p, nthreads);
+}
+
+static double scatter_span(const kpass *p, const i64 *r, i64 a, i64 b) {
+    float *theta = (float *)(intptr_t)r[0];
+    i64 off = r[1], src = r[4] - r[2];
+    for (i64 j = a; j < b; j++) theta[p->idx[j] - off] = p->cvalues[src + j];
+    return 0.0;
 }
 
 /* θ ← gathered values at the mask positions. ``stab``: 5 int64 per segment: pointer, flat
  * offset, a, b, src (where the segment's values start in ``values``). */
-void scape_scatter_params(const i64 *idx, const i64 *stab, i64 nseg, const float *values) {
-    for (i64 q = 0; q < nseg; q++) {
-        const i64 *r = stab + 5 * q;
-        float *theta = (float *)(intptr_t)r[0];
-        i64 off = r[1], src = r[4] - r[2];
-        for (i64 j = r[2]; j < r[3]; j++) theta[idx[j] - off] = values[src + j];
+void scape_scatter_params(const i64 *idx, const i64 *stab, i64 nseg, const float *values,
+                          int nthreads) {
+    i64 n = 0;
+    for (i64 q = 0; q < nseg; q++) n = max64(n, stab[5 * q + 3]);
+    kpass p = {.fn = scatter_span, .k = n, .idx = idx, .tab = stab, .nseg = nseg, .width = 5,
+               .cvalues = values};
+    kpass_run(&p, nthreads);
+}
+
+/* The radix selection's bin at one level: from the top, the bin holding the ``need``-th largest
+ * (bin 0 at the latest); ``*cum``: how many lie in the bins above it. */
+static int pick_bin(const i64 *hist, int nb, i64 need, i64 *cum) {
+    int bin = nb - 1;
+    i64 c = 0;
+    for (; bin > 0; bin--) {
+        if (c + hist[bin] >= need) break;
+        c += hist[bin];
     }
+    *cum = c;
+    return bin;
+}
+
+static const int RADIX_SHIFT[3] = {21, 10, 0}, RADIX_WIDTH[3] = {11, 11, 10};
+
+static inline uint32_t radix_key(float v, int level) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    return (b >> RADIX_SHIFT[level]) & ((1u << RADIX_WIDTH[level]) - 1);
 }
 
 /* The k-th largest of the non-negative ``v[0:n]`` (1 <= k <= n) by radix selection on
@@ -464,36 +581,109 @@ void scape_scatter_params(const i64 *idx, const i64 *stab, i64 nseg, const float
  * rounds of an 11/11/10-bit histogram, each keeping (compacted in place) the values of the bin
  * that holds the k-th. ``*gt``: how many values are strictly larger. Destroys ``v``. */
 static float radix_select_desc(float *v, i64 n, i64 k, i64 *gt) {
-    static const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};
     i64 hist[2048];
     i64 above = 0, need = k;
     for (int level = 0; level < 3; level++) {
-        const int sh = shift[level], nb = 1 << width[level];
-        const uint32_t bm = (uint32_t)nb - 1;
+        const int nb = 1 << RADIX_WIDTH[level];
         memset(hist, 0, sizeof(i64) * (size_t)nb);
-        for (i64 i = 0; i < n; i++) {
-            uint32_t b;
-            memcpy(&b, v + i, 4);
-            hist[(b >> sh) & bm]++;
-        }
-        int bin = nb - 1;
-        i64 cum = 0;
-        for (; bin > 0; bin--) {
-            if (cum + hist[bin] >= need) break;
-            cum += hist[bin];
-        }
+        for (i64 i = 0; i < n; i++) hist[radix_key(v[i], level)]++;
+        i64 cum;
+        const uint32_t bin = (uint32_t)pick_bin(hist, nb, need, &cum);
         above += cum;
         need -= cum;
         i64 w = 0;
-        for (i64 i = 0; i < n; i++) {
-            uint32_t b;
-            memcpy(&b, v + i, 4);
-            if (((b >> sh) & bm) == (uint32_t)bin) v[w++] = v[i];
-        }
+        for (i64 i = 0; i < n; i++)
+            if (radix_key(v[i], level) == bin) v[w++] = v[i];
         n = w;
     }
     *gt = above;
     return v[0];
+}
+
+/* scape_topk_bits on parts: part w covers c[n·w/parts, n·(w+1)/parts), collects its entries at
+ * or above the threshold into its own stretch of ``work`` (``start[w]``, room for ``room[w]``:
+ * when they do not fit, it counts on and the collection is redone at exact offsets), keeps its
+ * own radix histograms (summed across parts for the selection), and finally writes its bits,
+ * taking ``take[w]`` of the ties at the k-th value: the parts before it take theirs first. */
+enum { T_COLLECT = 0, T_RECOLLECT = 1, T_LEVEL1 = 2, T_LEVEL2 = 3, T_BITS = 4 };
+
+typedef struct {
+    const float *c;
+    i64 n;
+    int parts, phase;
+    float thr, kth;
+    float *work;
+    u8 *bits;
+    i64 *hist;              /* parts × 2048 */
+    uint32_t bin0, bin1;
+    i64 start[MAX_THREADS], room[MAX_THREADS], cnt[MAX_THREADS], take[MAX_THREADS];
+    int nan[MAX_THREADS];
+} topk_job;
+
+static void topk_part(topk_job *t, int w) {
+    const i64 a = t->n * w / t->parts, b = t->n * (w + 1) / t->parts;
+    const float *c = t->c, thr = t->thr;
+    i64 *h = t->hist + 2048 * (i64)w;
+    float *out = t->work + t->start[w];
+    i64 m = 0;
+    if (t->phase == T_COLLECT || t->phase == T_RECOLLECT) {
+        const i64 room = t->phase == T_COLLECT ? t->room[w] : t->cnt[w];
+        const int collect = t->phase == T_COLLECT;
+        if (collect) memset(h, 0, sizeof(i64) * 2048);
+        for (i64 i = a; i < b; i++) {
+            float v = fabsf(c[i]);
+            if (v >= thr) {
+                if (m < room) out[m] = v;
+                if (collect) h[radix_key(v, 0)]++;
+                m++;
+            } else if (!(v == v)) {
+                t->nan[w] = 1;
+                return;
+            }
+        }
+        t->cnt[w] = m;
+    } else if (t->phase == T_LEVEL1) {     /* keep bin0, histogram the next level */
+        memset(h, 0, sizeof(i64) * 2048);
+        for (i64 i = 0; i < t->cnt[w]; i++) {
+            float v = out[i];
+            if (radix_key(v, 0) != t->bin0) continue;
+            out[m++] = v;
+            h[radix_key(v, 1)]++;
+        }
+        t->cnt[w] = m;
+    } else if (t->phase == T_LEVEL2) {
+        memset(h, 0, sizeof(i64) * 1024);
+        for (i64 i = 0; i < t->cnt[w]; i++)
+            if (radix_key(out[i], 1) == t->bin1) h[radix_key(out[i], 2)]++;
+    } else {
+        const float kth = t->kth;
+        i64 eq_left = t->take[w];
+        u8 *bits = t->bits;
+        for (i64 i = a; i < b; i++) {
+            float v = fabsf(c[i]);
+            u8 bit = v > kth;
+            if (!bit && v == kth && eq_left > 0) {
+                bit = 1;
+                eq_left--;
+            }
+            bits[i] = bit;
+        }
+    }
+}
+
+static void topk_parts(void *arg, i64 first, i64 end, double *part) {
+    (void)part;
+    for (i64 w = first; w < end; w++) topk_part((topk_job *)arg, (int)w);
+}
+
+/* one phase on every part (a thread each); then the parts' histograms summed into ``sum`` */
+static void topk_phase(topk_job *t, int phase, int nb, i64 *sum) {
+    t->phase = phase;
+    run_jobs(t->parts, t->parts, topk_parts, t, NULL);
+    if (!sum) return;
+    memset(sum, 0, sizeof(i64) * (size_t)nb);
+    for (int w = 0; w < t->parts; w++)
+        for (int x = 0; x < nb; x++) sum[x] += t->hist[2048 * (i64)w + x];
 }
 
 /* Top-k of |c| over one segment of ``n`` entries, as bits: exactly the k largest |c| (ties at
@@ -503,37 +693,261 @@ static float radix_select_desc(float *v, i64 n, i64 k, i64 *gt) {
  *  2. one pass copies those entries' |c| into ``work`` (room for ``cap``), the k-th largest of
  *     them (radix selection) is the segment's k-th largest;
  *  3. one pass writes every bit.
+ * The passes split over up to ``nthreads`` threads (by contiguous parts of c, each at least
+ * MIN_PER_THREAD long), with the same bits for any count (topk_job).
  * Returns 0, or -1 when the sample's threshold kept fewer than k or more than ``cap`` entries
  * (or a NaN): nothing written, the caller takes torch.topk. */
 i64 scape_topk_bits(const float *c, i64 n, i64 k, const i64 *sample, i64 ssize, i64 rank,
-                    u8 *bits, float *work, i64 cap) {
+                    u8 *bits, float *work, i64 cap, int nthreads) {
     if (k <= 0 || k > n || ssize <= rank || cap < ssize) return -1;
     for (i64 j = 0; j < ssize; j++) work[j] = fabsf(c[sample[j]]);
     i64 above;              /* a NaN sorts above every number: caught below, or in the pass */
     float thr = radix_select_desc(work, ssize, rank + 1, &above);
     if (!(thr == thr)) return -1;
-    i64 m = 0;
-    for (i64 i = 0; i < n; i++) {
-        float v = fabsf(c[i]);
-        if (v >= thr) {
-            if (m == cap) return -1;
-            work[m++] = v;
-        } else if (!(v == v)) {
-            return -1;
-        }
+    i64 one[2048], sum[2048];
+    topk_job t = {.c = c, .n = n, .thr = thr, .work = work, .bits = bits,
+                  .parts = full_threads(nthreads, n)};
+    t.hist = t.parts > 1 ? (i64 *)malloc(sizeof(i64) * 2048 * (size_t)t.parts) : NULL;
+    if (!t.hist) {
+        t.parts = 1;
+        t.hist = one;
     }
-    if (m < k) return -1;
-    i64 gt;
-    float kth = radix_select_desc(work, m, k, &gt);
-    i64 eq_left = k - gt;
-    for (i64 i = 0; i < n; i++) {
-        float v = fabsf(c[i]);
-        u8 b = v > kth;
-        if (!b && v == kth && eq_left > 0) {
-            b = 1;
-            eq_left--;
-        }
-        bits[i] = b;
+    for (int w = 0; w < t.parts; w++) {
+        t.start[w] = cap * w / t.parts;
+        t.room[w] = cap * (w + 1) / t.parts - t.start[w];
     }
-    return 0;
+    i64 rc = -1, m = 0;
+    int overflow = 0;
+    topk_phase(&t, T_COLLECT, 2048, sum);
+    for (int w = 0; w < t.parts; w++) {
+        if (t.nan[w]) goto done;
+        overflow |= t.cnt[w] > t.room[w];
+        m += t.cnt[w];
+    }
+    if (m > cap || m < k) goto done;
+    if (overflow) {         /* a part held more than its room: collect again at exact offsets */
+        for (int w = 1; w < t.parts; w++) t.start[w] = t.start[w - 1] + t.cnt[w - 1];
+        topk_phase(&t, T_RECOLLECT, 0, NULL);
+    }
+    i64 cum, need = k;      /* the radix selection of radix_select_desc, on the parts */
+    t.bin0 = (uint32_t)pick_bin(sum, 2048, need, &cum);
+    need -= cum;
+    topk_phase(&t, T_LEVEL1, 2048, sum);
+    t.bin1 = (uint32_t)pick_bin(sum, 2048, need, &cum);
+    need -= cum;
+    topk_phase(&t, T_LEVEL2, 1024, sum);
+    uint32_t bin2 = (uint32_t)pick_bin(sum, 1024, need, &cum);
+    uint32_t kbits = (t.bin0 << 21) | (t.bin1 << 10) | bin2;
+    memcpy(&t.kth, &kbits, 4);
+    i64 eq_left = need - cum;      /* = k - (how many are larger): the ties to take */
+    for (int w = 0; w < t.parts; w++) {        /* the ties at the k-th: to the lower indices */
+        i64 eq = t.hist[2048 * (i64)w + bin2];
+        t.take[w] = eq_left < eq ? eq_left : eq;
+        eq_left -= t.take[w];
+    }
+    topk_phase(&t, T_BITS, 0, NULL);
+    rc = 0;
+done:
+    if (t.hist != one) free(t.hist);
+    return rc;
+}
+
+/* The mask codings run per segment: each segment's stream, bits and output lie apart from the
+ * others', so segments are jobs, split over threads by their weight (``seg_jobs``). */
+typedef struct {
+    const i64 *tab;
+    const u8 *buf, *bits;
+    i64 len, total, cap;
+    u8 *mask, *shard;
+    i64 *idx;
+    i64 *at;                /* decode: where each segment's indices start in idx */
+    i64 *bad;               /* per segment: 1 when it does not match its row */
+} codec_job;
+
+/* room for ``nseg`` segments' offsets (nseg + 1), weights (nseg + 1) and flags: NULL when there
+ * is none (the caller then runs the segments in order on its own thread) */
+static i64 *seg_tables(i64 nseg, codec_job *j, i64 **cum) {
+    i64 *mem = (i64 *)malloc(sizeof(i64) * (size_t)(3 * nseg + 2));
+    if (!mem) return NULL;
+    j->at = mem;
+    *cum = mem + nseg + 1;
+    j->bad = mem + 2 * nseg + 2;
+    return mem;
+}
+
+/* the lowest segment that failed, as -1 - s; else ``ok`` */
+static i64 first_bad(const codec_job *j, i64 nseg, i64 ok) {
+    for (i64 s = 0; s < nseg; s++)
+        if (j->bad[s]) return -1 - s;
+    return ok;
+}
+
+/* Segment ``r``'s ones (8 int64: kind, flat_start, numel, k, width, low, high, high_bytes) into
+ * the mask and idx[at:]: 0, or -1 when they do not match the row (nothing written out of the
+ * segment's flat range and its k slots of idx). */
+static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 total, i64 *idx,
+                          i64 at, i64 cap) {
+    i64 kind = r[0], flat = r[1], numel = r[2], k = r[3];
+    int width = (int)r[4];
+    i64 low = r[5], high = r[6], hbytes = r[7];
+    if (flat < 0 || numel < 0 || flat + numel > total) return -1;
+    if (kind == K_ALL) {
+        if (at + numel > cap) return -1;
+        memset(mask + flat, 1, (size_t)numel);
+        for (i64 i = 0; i < numel; i++) idx[at++] = flat + i;
+        return 0;
+    }
+    if (k < 0 || at + k > cap) return -1;
+    i64 start = at;
+    if (kind == K_BITMAP) {
+        if (high + hbytes > len) return -1;
+        for (i64 b = 0; b < hbytes; b++) {
+            unsigned v = buf[high + b];
+            while (v) {
+                i64 p = 8 * b + __builtin_ctz(v);
+                v &= v - 1;
+                if (p >= numel || at - start >= k) return -1;
+                mask[flat + p] = 1;
+                idx[at++] = flat + p;
+            }
+        }
+    } else if (kind == K_INDICES) {
+        if (low + ((k * width + 7) >> 3) > len) return -1;
+        i64 prev = -1;
+        for (i64 j = 0; j < k; j++) {
+            i64 p = (i64)read_field(buf, len, 8 * low + j * width, width);
+            if (p >= numel || p <= prev) return -1;
+            prev = p;
+            mask[flat + p] = 1;
+            idx[at++] = flat + p;
+        }
+    } else if (kind == K_EF) {
+        if (high + hbytes > len || low + ((k * width + 7) >> 3) > len) return -1;
+        i64 j = 0, prev = -1;
+        for (i64 b = 0; b < hbytes; b++) {
+            unsigned v = buf[high + b];
+            while (v) {
+                i64 pos = 8 * b + __builtin_ctz(v);
+                v &= v - 1;
+                if (j >= k) return -1;
+                i64 lo = width ? (i64)read_field(buf, len, 8 * low + j * width, width) : 0;
+                i64 p = ((pos - j) << width) | lo;
+                if (p >= numel || p <= prev) return -1;
+                prev = p;
+                mask[flat + p] = 1;
+                idx[at++] = flat + p;
+                j++;
+            }
+        }
+    } else {
+        return -1;
+    }
+    return at - start == k ? 0 : -1;
+}
+
+static void decode_jobs(void *arg, i64 first, i64 end, double *part) {
+    const codec_job *j = (const codec_job *)arg;
+    (void)part;
+    for (i64 s = first; s < end; s++)
+        j->bad[s] = decode_segment(j->tab + 8 * s, j->buf, j->len, j->mask, j->total, j->idx,
+                                   j->at[s], j->cap) != 0;
+}
+
+/* Decode a whole mask. ``tab``: 8 int64 per segment, in flat order:
+ *   kind, flat_start, numel, k, width, low (byte offset of the field stream in ``buf``),
+ *   high (byte offset of the bitmap / upper bit vector), high_bytes.
+ * Writes the bool mask (``total`` bytes) and the sorted flat indices of its ones into ``idx``
+ * (room for ``cap``). Returns the number of ones, or -1 - s when segment s is corrupt (a count,
+ * position or length that does not match its plan; the lowest such s): nothing is written out
+ * of bounds. Segment s's indices start at the ones its predecessors' rows promise (numel for an
+ * all-ones segment, else k), so segments decode apart, on up to ``nthreads`` threads. */
+i64 scape_mask_decode(i64 nseg, const i64 *tab, const u8 *buf, i64 len, u8 *mask, i64 total,
+                      i64 *idx, i64 cap, int nthreads) {
+    zero_parallel(mask, total, nthreads);
+    codec_job j = {.tab = tab, .buf = buf, .len = len, .mask = mask, .total = total, .idx = idx,
+                   .cap = cap};
+    i64 *cum, *mem = seg_tables(nseg, &j, &cum), at = 0;
+    if (mem) cum[0] = 0;
+    for (i64 s = 0; s < nseg; s++) {
+        const i64 *r = tab + 8 * s;
+        i64 ones = max64(r[0] == K_ALL ? r[2] : r[3], 0);
+        if (!mem) {         /* no room for the tables: in order, here */
+            if (decode_segment(r, buf, len, mask, total, idx, at, cap)) return -1 - s;
+        } else {
+            j.at[s] = at;
+            cum[s + 1] = cum[s] + ones + max64(r[7], 0);
+        }
+        at += ones;
+    }
+    if (!mem) return at;
+    run_weighted(nseg, cum, nthreads, decode_jobs, &j);
+    i64 rc = first_bad(&j, nseg, at);
+    free(mem);
+    return rc;
+}
+
+/* Encode segment ``r`` (8 int64: kind, start in ``bits``, numel, k, width, off, low_bytes,
+ * high_bytes) into its bytes of the zeroed ``shard``: 0, or -1 when it holds another number of
+ * ones than its row says. */
+static int encode_segment(const i64 *r, const u8 *bits, u8 *shard) {
+    i64 kind = r[0], start = r[1], numel = r[2], k = r[3];
+    int width = (int)r[4];
+    i64 off = r[5], lbytes = r[6], hbytes = r[7];
+    const u8 *b = bits + start;
+    if (kind == K_ALL) return 0;
+    if (kind == K_BITMAP) {
+        u8 *out = shard + off;
+        for (i64 i = 0; i < numel; i++)
+            if (b[i]) out[i >> 3] |= (u8)(1u << (i & 7));
+        return 0;
+    }
+    u8 *lowp = shard + off;
+    u8 *up = shard + off + lbytes;
+    u64 lmask = width >= 64 ? ~0ULL : ((1ULL << width) - 1);
+    i64 j = 0;
+    for (i64 i = 0; i < numel; i++) {
+        if (!b[i]) continue;
+        if (j >= k) return -1;
+        if (kind == K_INDICES) {
+            write_field(lowp, lbytes, j * width, width, (u64)i);
+        } else {
+            if (width) write_field(lowp, lbytes, j * width, width, (u64)i & lmask);
+            i64 u = (i >> width) + j;
+            if ((u >> 3) >= hbytes) return -1;
+            up[u >> 3] |= (u8)(1u << (u & 7));
+        }
+        j++;
+    }
+    return j == k ? 0 : -1;
+}
+
+static void encode_jobs(void *arg, i64 first, i64 end, double *part) {
+    const codec_job *j = (const codec_job *)arg;
+    (void)part;
+    for (i64 s = first; s < end; s++)
+        j->bad[s] = encode_segment(j->tab + 8 * s, j->bits, j->shard) != 0;
+}
+
+/* Encode an owner's segments. ``tab``: 8 int64 per segment:
+ *   kind, start (in ``bits``), numel, k, width, off (byte offset in ``shard``), low_bytes,
+ *   high_bytes.
+ * ``bits``: the owner's bool mask over its range. Returns 0, or -1 - s when segment s (the lowest
+ * such) holds another number of ones than its plan says. Segments (each its own bytes of the
+ * shard) on up to ``nthreads`` threads, weighed by their numel. */
+i64 scape_mask_encode(i64 nseg, const i64 *tab, const u8 *bits, u8 *shard, i64 len,
+                      int nthreads) {
+    memset(shard, 0, (size_t)len);
+    codec_job j = {.tab = tab, .bits = bits, .shard = shard};
+    i64 *cum, *mem = seg_tables(nseg, &j, &cum);
+    if (!mem) {
+        for (i64 s = 0; s < nseg; s++)
+            if (encode_segment(tab + 8 * s, bits, shard)) return -1 - s;
+        return 0;
+    }
+    cum[0] = 0;
+    for (i64 s = 0; s < nseg; s++) cum[s + 1] = cum[s] + max64(tab[8 * s + 2], 0);
+    run_weighted(nseg, cum, nthreads, encode_jobs, &j);
+    i64 rc = first_bad(&j, nseg, 0);
+    free(mem);
+    return rc;
 }
