@@ -11,8 +11,10 @@ hydra once: each rank is a fresh process forked from it, so a run pays seconds l
 that imports torch per rank. They are as separate as spawned ones (own memory, own gloo group,
 the package imported anew in each); each takes the caller's environment and working directory as
 they are at the call (a forked rank would otherwise hold the forkserver's, from its start) before
-it unpickles ``fn`` and ``args``, and nothing of the package is preloaded: what the package (or a
-library it imports) reads from the environment at import, it reads from the caller's.
+it unpickles ``fn`` and ``args``, and writes its stdout and stderr to the caller's file
+descriptors 1 and 2 as they are then (pytest's ``capfd`` sees the ranks' output, as a spawned
+rank's inherited descriptors gave it). Nothing of the package is preloaded: what the package (or
+a library it imports) reads from the environment at import, it reads from the caller's.
 """
 
 from __future__ import annotations
@@ -39,7 +41,26 @@ def free_port() -> int:
 _PRELOAD = ["torch", "torch.distributed", "omegaconf", "hydra"]
 
 
-def _worker(rank, world_size, port, payload, out_dir, environ, cwd):
+class _CallerFd:
+    """A file descriptor of the caller, sent to the rank (SCM_RIGHTS) when it is started."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):  # pickled while the rank starts: the fd goes with the start request
+        from multiprocessing import reduction
+
+        return (_CallerFd._received, (reduction.DupFd(self.fd),))
+
+    @staticmethod
+    def _received(dup) -> int:
+        return dup.detach()
+
+
+def _worker(rank, world_size, port, payload, out_dir, environ, cwd, out_fds):
+    for target, fd in zip((1, 2), out_fds):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
@@ -69,7 +90,8 @@ def run_distributed(fn, world_size: int, args: tuple = ()) -> list:
         multiprocessing.set_forkserver_preload(_PRELOAD)  # used when the server starts: once
         try:
             mp.start_processes(_worker, args=(world_size, port, pickle.dumps((fn, args)), out_dir,
-                                              dict(os.environ), os.getcwd()),
+                                              dict(os.environ), os.getcwd(),
+                                              (_CallerFd(1), _CallerFd(2))),
                                nprocs=world_size, join=True, start_method="forkserver")
         except Exception as exc:
             errors = []
