@@ -33,8 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tok_cache(tmp_path_factory) -> str:
-    """One trained-tokenizer cache for every fault test module of the session (trained once)."""
-    path = tmp_path_factory.getbasetemp() / "fault_tokenizers"
+    """One trained-tokenizer cache for the session's small-job test modules (the fault tests,
+    train, summary, generate, NCCL rules): each vocabulary size is trained once."""
+    path = tmp_path_factory.getbasetemp() / "tokenizers"
     path.mkdir(exist_ok=True)
     return str(path)
 

@@ -15,6 +15,7 @@ import torch
 from scape_train.models import ModelConfig, build_model, export_hf
 from scape_train.models.cache import new_cache
 from scape_train.models.generation import generate, sample_next
+from tests import _fault_job as fj
 from tests.helpers import SMALL, compose_config
 
 transformers = pytest.importorskip("transformers")
@@ -146,7 +147,8 @@ def trained(tmp_path_factory):
     from scape_train.train import run
 
     root = tmp_path_factory.mktemp("gen")
-    run(compose_config(SMALL + [f"run_dir={root / 'run'}", f"data.tokenizer.cache_dir={root / 'tok'}",
+    run(compose_config(SMALL + [f"run_dir={root / 'run'}",
+                                f"data.tokenizer.cache_dir={fj.tok_cache(tmp_path_factory)}",
                                 "trainer.max_steps=6", "trainer.sample_tokens=0"]))
     return root
 
@@ -200,10 +202,10 @@ def test_module_entry_streams(trained):
     assert bad.returncode == 1 and "error" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_trainer_prints_a_sample_at_the_end(tmp_path, capsys):
+def test_trainer_prints_a_sample_at_the_end(tmp_path, tmp_path_factory, capsys):
     from scape_train.train import run
 
-    tok = f"data.tokenizer.cache_dir={tmp_path / 'tok'}"
+    tok = f"data.tokenizer.cache_dir={fj.tok_cache(tmp_path_factory)}"
     summary = run(compose_config(SMALL + [f"run_dir={tmp_path / 'a'}", tok, "trainer.max_steps=2",
                                           "trainer.sample_tokens=6", "trainer.sample_prompt=ROMEO:"]))
     assert summary["sample"].startswith("ROMEO:")

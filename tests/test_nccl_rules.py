@@ -122,15 +122,17 @@ def test_optimizer_step_reads_nothing_back_from_the_device(cfg_kw):
 @pytest.mark.parametrize("extra", [["optimizer=scape", "optimizer.density=0.1",
                                     "optimizer.density_warmup_steps=2"], ["optimizer=adamw"]],
                          ids=["scape", "adamw"])
-def test_trainer_step_makes_one_host_sync(tmp_path, extra, monkeypatch):
+def test_trainer_step_makes_one_host_sync(tmp_path, tmp_path_factory, extra, monkeypatch):
     """The loss agreement is the step's one read; metrics are read at log steps only."""
     monkeypatch.setattr("scape_train.optim.scape.kernels.HOST_READS_ON_CPU", False)
     from scape_train.metrics import StepTimer
     from scape_train.train import Trainer, _StopSignal
 
+    from . import _fault_job as fj
     from .helpers import SMALL, compose_config
 
-    cfg = compose_config(SMALL + [f"run_dir={tmp_path}", f"data.tokenizer.cache_dir={tmp_path}/tok",
+    cfg = compose_config(SMALL + [f"run_dir={tmp_path}",
+                                  f"data.tokenizer.cache_dir={fj.tok_cache(tmp_path_factory)}",
                                   "trainer.max_steps=6", *extra])
     trainer = Trainer(cfg)
     timer, stop = StepTimer(trainer.info.device), _StopSignal()

@@ -9,13 +9,14 @@ import pytest
 
 from scape_train.metrics import MetricsLogger, bar_fields
 from scape_train.summary import format_summary, startup_summary
+from tests import _fault_job as fj
 from tests._dist import run_distributed
 from tests.helpers import SMALL, compose_config
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("tok"))
+    return fj.tok_cache(tmp_path_factory)
 
 
 def job(root, tok, *extra):

@@ -12,6 +12,7 @@ import torch
 
 from scape_train.checkpoint import CheckpointError, CheckpointManager
 from scape_train.train import NonFiniteLossError, run
+from tests import _fault_job as fj
 from tests._dist import run_distributed
 from tests.helpers import SMALL, compose_config, wandb_config_keys, wandb_history
 
@@ -19,7 +20,7 @@ from tests.helpers import SMALL, compose_config, wandb_config_keys, wandb_histor
 
 @pytest.fixture(scope="module")
 def tok_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tokenizers"))
+    return fj.tok_cache(tmp_path_factory)
 
 
 def job(run_dir, tok_cache, *extra):
