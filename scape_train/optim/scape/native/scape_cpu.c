@@ -628,18 +628,25 @@ static void topk_part(topk_job *t, int w) {
     i64 m = 0;
     if (t->phase == T_COLLECT || t->phase == T_RECOLLECT) {
         const i64 room = t->phase == T_COLLECT ? t->room[w] : t->cnt[w];
-        const int collect = t->phase == T_COLLECT;
+        /* one part: no histogram here, radix_select_desc compacts the collected values */
+        const int collect = t->phase == T_COLLECT && t->parts > 1;
         if (collect) memset(h, 0, sizeof(i64) * 2048);
+        /* branch-free: ~1 in 8 entries is kept, at random, which a branch mispredicts; every
+         * value is stored at the next free slot (into ``sink`` once the room is full: an
+         * overflow recollects) and kept by counting it */
+        float sink;
+        int nan = 0;
         for (i64 i = a; i < b; i++) {
             float v = fabsf(c[i]);
-            if (v >= thr) {
-                if (m < room) out[m] = v;
-                if (collect) h[radix_key(v, 0)]++;
-                m++;
-            } else if (!(v == v)) {
-                t->nan[w] = 1;
-                return;
-            }
+            const i64 keep = v >= thr;
+            *(m < room ? out + m : &sink) = v;
+            if (collect) h[radix_key(v, 0)] += keep;
+            m += keep;
+            nan |= !(v == v);
+        }
+        if (nan) {
+            t->nan[w] = 1;
+            return;
         }
         t->cnt[w] = m;
     } else if (t->phase == T_LEVEL1) {     /* keep bin0, histogram the next level */
@@ -718,7 +725,7 @@ i64 scape_topk_bits(const float *c, i64 n, i64 k, const i64 *sample, i64 ssize, 
     }
     i64 rc = -1, m = 0;
     int overflow = 0;
-    topk_phase(&t, T_COLLECT, 2048, sum);
+    topk_phase(&t, T_COLLECT, 2048, t.parts > 1 ? sum : NULL);
     for (int w = 0; w < t.parts; w++) {
         if (t.nan[w]) goto done;
         overflow |= t.cnt[w] > t.room[w];
@@ -728,6 +735,14 @@ i64 scape_topk_bits(const float *c, i64 n, i64 k, const i64 *sample, i64 ssize, 
     if (overflow) {         /* a part held more than its room: collect again at exact offsets */
         for (int w = 1; w < t.parts; w++) t.start[w] = t.start[w - 1] + t.cnt[w - 1];
         topk_phase(&t, T_RECOLLECT, 0, NULL);
+    }
+    if (t.parts == 1) {     /* one part: the selection compacting in place (faster) */
+        i64 gt;
+        t.kth = radix_select_desc(work, m, k, &gt);
+        t.take[0] = k - gt;
+        topk_phase(&t, T_BITS, 0, NULL);
+        rc = 0;
+        goto done;
     }
     i64 cum, need = k;      /* the radix selection of radix_select_desc, on the parts */
     t.bin0 = (uint32_t)pick_bin(sum, 2048, need, &cum);
