@@ -194,7 +194,7 @@ def test_device_op_counter_counts_the_c_loops_bytes():
     idx = torch.arange(0, 1000, 7)
     out = torch.empty(idx.numel())
     with DeviceOpCounter() as ops:
-        LIB.scape_gather(idx.numel(), native.ptr(idx), 0, native.ptr(src), native.ptr(out), 1)
+        LIB.scape_gather(idx.numel(), native.ptr(idx), 0, native.ptr(src), native.ptr(out))
     assert ops.ops["native::scape_gather"] == 1 and ops.bytes_moved == 16 * idx.numel()
     s, w, _ = make(_cfg(density_warmup_steps=0))
     train_step(s, w, 1, 0)
@@ -239,23 +239,26 @@ def test_full_size_prepares_are_the_same_on_any_number_of_threads(kind):
     e0, m = torch.randn(total, generator=gen), torch.randn(total, generator=gen)
     lo, hi = 123_457, 1_001_001                     # an own range crossing three tensors
     runs = []
+    saved = torch.get_num_threads()
     for nthreads in (1, 2, 3, 5):
+        torch.set_num_threads(nthreads)        # the C loops run on torch's count
         e = e0.clone()
         cand = torch.full((hi - lo,), float("nan"))
         rho = m[lo:hi].clone()
         if kind == "general":
             sq = LIB.scape_prepare_replicated_general(len(sizes), native.ptr(gtab),
                                                       native.ptr(numels), native.ptr(e),
-                                                      native.ptr(m), 0.9, 0.1, nthreads)
+                                                      native.ptr(m), 0.9, 0.1)
         elif kind == "add":
             sq = LIB.scape_prepare_replicated(len(sizes), native.ptr(gtab), native.ptr(numels),
                                               native.ptr(e), native.ptr(m), None, 0, None, 0,
-                                              0.9, 0.1, nthreads)
+                                              0.9, 0.1)
         else:
             sq = LIB.scape_prepare_sharded(len(sizes), native.ptr(gtab), native.ptr(numels),
                                            native.ptr(e), native.ptr(rho), native.ptr(m), None,
-                                           0, lo, hi, native.ptr(cand), 0.9, 0.1, nthreads)
+                                           0, lo, hi, native.ptr(cand), 0.9, 0.1)
         runs.append((e, cand, sq))
+    torch.set_num_threads(saved)
     g = torch.cat(grads)
     want = (m * 0.9 + g * 0.1) + e0 if kind == "general" else e0 + g * 0.1
     for e, cand, sq in runs:

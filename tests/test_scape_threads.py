@@ -26,9 +26,19 @@ SUM_BLOCK = 1 << 16
 MIN_PER_THREAD = 1 << 18
 
 
+def _with_threads(t: int, fn):
+    """``fn()`` on ``t`` of torch's threads: the C loops take torch's count (native's wrapper)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(t)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(saved)
+
+
 def _same_on_every_count(run) -> list:
-    """``run(nthreads)`` for each count; each result (tensors and floats) equal to 1 thread's."""
-    outs = [run(t) for t in THREADS]
+    """``run()`` on each thread count; each result (tensors and floats) equal to 1 thread's."""
+    outs = [_with_threads(t, run) for t in THREADS]
     for t, out in zip(THREADS[1:], outs[1:]):
         for a, b in zip(outs[0], out):
             if isinstance(a, torch.Tensor):
@@ -50,14 +60,9 @@ def _topk_reference(c: torch.Tensor, k: int) -> torch.Tensor:
     return bits
 
 
-def _topk_bits(c: torch.Tensor, k: int, nthreads: int) -> torch.Tensor:
+def _topk_bits(c: torch.Tensor, k: int) -> torch.Tensor:
     bits = torch.zeros(c.numel(), dtype=torch.bool)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(nthreads)        # the caller passes torch's count
-    try:
-        assert _top_k_bits_native(LIB, c, k, bits)
-    finally:
-        torch.set_num_threads(saved)
+    assert _top_k_bits_native(LIB, c, k, bits)
     return bits
 
 
@@ -92,7 +97,7 @@ def test_top_k_bits_are_the_same_on_any_number_of_threads(dist):
         assert all(p > 0 for p in parts)
         last_taken = int(ties[k - int((c.abs() > kth).sum()) - 1])
         assert n // 5 < last_taken < 4 * n // 5
-    got = _same_on_every_count(lambda t: (_topk_bits(c, k, t),))[0]
+    got = _same_on_every_count(lambda: (_topk_bits(c, k),))[0]
     assert torch.equal(got, want)
 
 
@@ -100,14 +105,9 @@ def test_top_k_bits_decline_alike_on_any_number_of_threads():
     n, k = 3 * MIN_PER_THREAD + 3, 60_000
     c = torch.randn(n, generator=torch.Generator().manual_seed(9))
     c[n - 5] = float("nan")                    # in the last part only
-    saved = torch.get_num_threads()
     for t in THREADS:
         bits = torch.zeros(n, dtype=torch.bool)
-        torch.set_num_threads(t)
-        try:
-            assert not _top_k_bits_native(LIB, c, k, bits)
-        finally:
-            torch.set_num_threads(saved)
+        assert not _with_threads(t, lambda: _top_k_bits_native(LIB, c, k, bits))
         assert not bits.any()
 
 
@@ -143,18 +143,18 @@ def test_gather_take_ghat_count_at_are_the_same_on_any_number_of_threads():
     b0 = torch.randn(K, generator=g)
     mask = torch.rand(N, generator=g) < 0.3
 
-    def run(t):
+    def run():
         vals = torch.empty(K)
-        sq_g = LIB.scape_gather(K, native.ptr(idx), 0, native.ptr(src0), native.ptr(vals), t)
+        sq_g = LIB.scape_gather(K, native.ptr(idx), 0, native.ptr(src0), native.ptr(vals))
         src, took = src0.clone(), torch.empty(K)
-        sq_t = LIB.scape_take(K, native.ptr(idx), native.ptr(src), native.ptr(took), t)
+        sq_t = LIB.scape_take(K, native.ptr(idx), native.ptr(src), native.ptr(took))
         b, rho = b0.clone(), rho0.clone()
         sq_h = LIB.scape_ghat(K, native.ptr(idx), 0, native.ptr(b), native.ptr(rho),
-                              native.ptr(m), 0.9, 0.1, t)
+                              native.ptr(m), 0.9, 0.1)
         b2 = b0.clone()
         sq_h2 = LIB.scape_ghat(K - 7, native.ptr(idx[7:]), 5, native.ptr(b2), None,
-                               native.ptr(m), 0.9, 0.1, t)
-        n = LIB.scape_count_at(native.ptr(mask.view(torch.uint8)), native.ptr(idx), K, t)
+                               native.ptr(m), 0.9, 0.1)
+        n = LIB.scape_count_at(native.ptr(mask.view(torch.uint8)), native.ptr(idx), K)
         return vals, sq_g, src, took, sq_t, b, rho, sq_h, b2, sq_h2, n
 
     vals, sq_g, src, took, sq_t, b, rho, sq_h, b2, sq_h2, n = _same_on_every_count(run)
@@ -198,7 +198,7 @@ def test_adams_and_scatter_are_the_same_on_any_number_of_threads(sharded, bias):
     kz = -1 if bias == 2 else old.numel()     # m zeroed everywhere, or on its old support
     coef, clip = 0.75, bias != 1
 
-    def run(t):
+    def run():
         theta = [p.clone() for p in theta0]
         m, ghat = m0.clone(), ghat0[j0:j0 + k].clone()
         ttab = native.table([[p.data_ptr(), off, max(a, j0), min(b, j0 + k)]
@@ -209,13 +209,13 @@ def test_adams_and_scatter_are_the_same_on_any_number_of_threads(sharded, bias):
         LIB.scape_adams(native.ptr(idx), j0, k, base, native.ptr(ghat), native.ptr(m), N,
                         native.ptr(old), kz, native.ptr(ttab), ttab.shape[0], native.ptr(out),
                         native.ptr(work), coef, int(clip), 0.9, 0.95, 0.1, 0.05, 0.8,
-                        math.sqrt(0.7), 1e-8, -1e-3, bias, t)
+                        math.sqrt(0.7), 1e-8, -1e-3, bias)
         scattered = [p.clone() for p in theta0]
         vals = torch.randn(K, generator=torch.Generator().manual_seed(16))
         stab = native.table([[p.data_ptr(), off, a, b, a] for p, (off, _, a, b)
                              in zip(scattered, rows) if a < b], 5)
         LIB.scape_scatter_params(native.ptr(idx), native.ptr(stab), stab.shape[0],
-                                 native.ptr(vals), t)
+                                 native.ptr(vals))
         return (*theta, m, ghat, *([out] if sharded else []), *scattered)
 
     got = _same_on_every_count(run)
@@ -267,12 +267,12 @@ def test_replicated_prepare_fix_up_is_the_same_on_any_number_of_threads():
     e0[pidx] = 0.0
     m = torch.randn(N, generator=g)
 
-    def run(t):
+    def run():
         e = e0.clone()
         sq = LIB.scape_prepare_replicated(len(sizes), native.ptr(gtab), native.ptr(numels),
                                           native.ptr(e), native.ptr(m), native.ptr(pidx),
                                           pidx.numel(), native.ptr(ptab), ptab.shape[0], 0.9,
-                                          0.1, t)
+                                          0.1)
         return e, sq
 
     e, sq = _same_on_every_count(run)
@@ -285,9 +285,9 @@ def test_replicated_prepare_fix_up_is_the_same_on_any_number_of_threads():
 
 def test_traffic_takes_each_loops_arguments():
     """``native._TRAFFIC`` counts bytes from the arguments by position: each entry takes the
-    loop's full argument list (the thread count last)."""
+    arguments a caller passes (the loop's list less the thread count, which the wrapper adds)."""
     for name, (_, args) in native._SIGNATURES.items():
-        inspect.signature(native._TRAFFIC[name]).bind(*range(len(args)))
+        inspect.signature(native._TRAFFIC[name]).bind(*range(len(args) - 1))
 
 
 # -- the mask codings --------------------------------------------------------------------------
@@ -302,15 +302,6 @@ def _big_layout():
     layers += [nn.Linear(1201, 1201, bias=i % 2 == 0) for i in range(3)]
     layers += [nn.Linear(1201, 333)]
     return ParamLayout(nn.Sequential(*layers), weight_decay=0.1, exclude_norm_bias=True)
-
-
-def _with_threads(t: int, fn):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(t)               # the caller passes torch's count
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize("world,partitioner", [(1, "tensor"), (3, "flat")])
@@ -333,10 +324,10 @@ def test_encode_and_decode_are_the_same_on_any_number_of_threads(world, partitio
     coded = [(r, sc) for r, codes in enumerate(plan.segs) for sc in codes if sc.kind != "all"]
     broken = [coded[len(coded) // 3], coded[2 * len(coded) // 3]]
 
-    def run(t):
-        shards = [_with_threads(t, lambda: plan.encode(b, r)) for r, b in enumerate(bits)]
+    def run():
+        shards = [plan.encode(b, r) for r, b in enumerate(bits)]
         gathered = torch.cat(shards)
-        mask, idx = _with_threads(t, lambda: plan.decode_with_indices(gathered, cpu))
+        mask, idx = plan.decode_with_indices(gathered, cpu)
         bad = gathered.clone()
         for r, sc in broken:          # two segments surely broken: the lower one is named
             at = r * plan.shard_bytes + sc.off
@@ -345,7 +336,7 @@ def test_encode_and_decode_are_the_same_on_any_number_of_threads(world, partitio
             else:                                  # no ones in the bitmap / upper bits
                 bad[at + sc.low_bytes:at + sc.low_bytes + sc.high_bytes] = 0
         try:
-            _with_threads(t, lambda: plan.decode_with_indices(bad, cpu))
+            plan.decode_with_indices(bad, cpu)
             err = None
         except RuntimeError as exc:
             err = str(exc)

@@ -169,11 +169,11 @@ def test_k_sized_passes_over_whole_blocks_and_a_tail(k):
             vals = torch.empty(k + start)
             p = native.ptr(idx) + 8 * start
             v = native.ptr(vals) + 4 * start
-            sums = [lib.scape_gather(k, p, 0, native.ptr(s), v, 2),
-                    lib.scape_ghat(k, p, 0, v, None, native.ptr(m), 0.9, 0.1, 2),
-                    lib.scape_take(k, p, native.ptr(s), v, 2)]
+            sums = [lib.scape_gather(k, p, 0, native.ptr(s), v),
+                    lib.scape_ghat(k, p, 0, v, None, native.ptr(m), 0.9, 0.1),
+                    lib.scape_take(k, p, native.ptr(s), v)]
             zero = (s == 0).to(torch.uint8)            # held: its pointer goes to the pass
-            sums.append(lib.scape_count_at(native.ptr(zero), p, k, 2))
+            sums.append(lib.scape_count_at(native.ptr(zero), p, k))
             out[name] = ([float(x) for x in sums], s, vals[start:], m)
         (cs, *ct), (ts, *tt) = out["c"], out["triton"]
         for a, b in zip(ct, tt):

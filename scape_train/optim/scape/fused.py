@@ -214,7 +214,7 @@ class _FusedMixin:
                         ttab.shape[0], native.ptr(out), native.ptr(work),
                         coef_arg, int(coef is not None), beta1,
                         beta2, 1.0 - beta1, 1.0 - beta2, bc1, math.sqrt(bc2), cfg.eps,
-                        -step_size, bias, torch.get_num_threads())
+                        -step_size, bias)
 
     # -- gradients: read where autograd left them ----------------------------------------------
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -347,7 +347,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             rows, gtab, numels = self._grad_table(g)
             self._c_sq = lib.scape_prepare_replicated_general(
                 rows, native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
-                beta1, 1.0 - beta1, torch.get_num_threads())
+                beta1, 1.0 - beta1)
         elif self._pidx is None:        # m may be nonzero anywhere (first step, after a load)
             w = torch._foreach_mul(self._views(self.m), beta1)
             torch._foreach_add_(w, g, alpha=1.0 - beta1)
@@ -360,7 +360,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             self._c_sq = lib.scape_prepare_replicated(
                 rows, native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
                 native.ptr(self._pidx), self._pidx.numel(), native.ptr(ptab), ptab.shape[0],
-                beta1, 1.0 - beta1, torch.get_num_threads())   # Σ c², for the metric
+                beta1, 1.0 - beta1)   # Σ c², for the metric
         else:                           # m and e_{t-1}: nonzero on disjoint sets
             pidx = self._pidx
             c_p = self.m.index_select(0, pidx).mul_(beta1).add_(self._grads_at(g),
@@ -416,13 +416,12 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         positions, the momentum; the all-reduce and the weight decay as on the torch path."""
         cfg, c, m = self.cfg, self._c, self.m
         payload = torch.empty(k, dtype=torch.float32, device=c.device)
-        self._cut = lib.scape_gather(k, native.ptr(idx), 0, native.ptr(c), native.ptr(payload),
-                                     torch.get_num_threads())    # and Σ_M c², for the metric
+        self._cut = lib.scape_gather(k, native.ptr(idx), 0, native.ptr(c),
+                                     native.ptr(payload))    # and Σ_M c², for the metric
         _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
                     during_payload)
         sq = lib.scape_ghat(k, native.ptr(idx), 0, native.ptr(payload), None, native.ptr(m),
-                            cfg.betas[0], 1.0 - cfg.betas[0],
-                            torch.get_num_threads())  # payload becomes ĝ
+                            cfg.betas[0], 1.0 - cfg.betas[0])  # payload becomes ĝ
         norm = _root(sq).float()
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         mi = self._index(idx, counts)
@@ -486,7 +485,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             self._x_sq = lib.scape_prepare_sharded(
                 rows, native.ptr(gtab), native.ptr(numels), native.ptr(eps_),
                 native.ptr(self.rho), native.ptr(self.m), native.ptr(p), p.numel(), self.lo,
-                self.hi, native.ptr(cand), beta1, 1.0 - beta1, torch.get_num_threads())
+                self.hi, native.ptr(cand), beta1, 1.0 - beta1)
             self._x = eps_
             return cand
         self._add_scaled_grads(eps_, g)                      # ε ← x
@@ -584,8 +583,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         for r, k in enumerate(counts):   # the payload rows, and ε = (1-M)⊙x in the same pass
             if k:
                 cut = cut + lib.scape_take(k, native.ptr(idx[starts[r]:starts[r] + k]),
-                                           native.ptr(x), native.ptr(send[r]),
-                                           torch.get_num_threads())
+                                           native.ptr(x), native.ptr(send[r]))
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
         _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True,
                                         async_op=True), during_payload)
@@ -593,8 +591,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         k_own, s_own = counts[rank], starts[rank]
         own = idx[s_own:s_own + k_own]
         sq = lib.scape_ghat(k_own, native.ptr(own), lo, native.ptr(recv), native.ptr(self.rho),
-                            native.ptr(m), cfg.betas[0], 1.0 - cfg.betas[0],
-                            torch.get_num_threads())  # recv = ĝ;
+                            native.ptr(m), cfg.betas[0], 1.0 - cfg.betas[0])  # recv = ĝ;
         # ρ = (1-M)⊙base
         sq_t = _as_tensor(sq).float().reshape(1)
         comm.all_reduce(sq_t, kind="norm", average=False)
@@ -620,7 +617,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         stab = self._param_table(segs, 0, idx.numel(),
                                  lambda a: _gathered_at(a, starts, counts, width))
         lib.scape_scatter_params(native.ptr(idx), native.ptr(stab), stab.shape[0],
-                                 native.ptr(gathered), torch.get_num_threads())
+                                 native.ptr(gathered))
         self._pidx, self._pidx_own = idx, own - lo
         self._prev_local = mi
         self._x = None

@@ -283,8 +283,7 @@ class MaskPlan:
                      s.low_bytes, s.high_bytes] for s in self.segs[rank]]
             tab = native.table(rows, 8)
             bad = lib.scape_mask_encode(len(rows), native.ptr(tab), native.ptr(own_bits),
-                                        native.ptr(shard), shard.numel(),
-                                        torch.get_num_threads())
+                                        native.ptr(shard), shard.numel())
             if bad:
                 s = self.segs[rank][-1 - bad]
                 raise RuntimeError(f"mask encode: the segment at flat {s.flat_start} does not "
@@ -417,8 +416,7 @@ class MaskPlan:
         mask, idx = self._pool.get(((self.total,), torch.bool), ((ones,), torch.int64))
         n = 0 if gathered is None else gathered.numel()
         got = lib.scape_mask_decode(tab.shape[0], native.ptr(tab), native.ptr(gathered), n,
-                                    native.ptr(mask), self.total, native.ptr(idx), ones,
-                                    torch.get_num_threads())
+                                    native.ptr(mask), self.total, native.ptr(idx), ones)
         if got != ones:
             where = ("" if got >= 0 else
                      f" (segment at flat {int(tab[-1 - got, 1])})")

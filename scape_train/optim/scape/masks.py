@@ -57,7 +57,7 @@ def _top_k_bits_native(lib, stat: torch.Tensor, k: int, bits: torch.Tensor) -> b
     work = torch.empty(cap, dtype=torch.float32)
     return lib.scape_topk_bits(native.ptr(stat), stat.numel(), k, native.ptr(sample),
                                sample.numel(), rank - 1, native.ptr(bits), native.ptr(work),
-                               cap, torch.get_num_threads()) == 0
+                               cap) == 0
 
 
 def top_k_indices(a: torch.Tensor, k: int) -> torch.Tensor:

@@ -169,8 +169,7 @@ class ScapeStrategy(OptimizerStrategy):
             return torch.count_nonzero(mask & prev)
         lib = passes.lib(self.backend, mask)
         if lib is not None and mask.is_contiguous() and prev_idx.is_contiguous():
-            n = lib.scape_count_at(native.ptr(mask), native.ptr(prev_idx), prev_idx.numel(),
-                                   torch.get_num_threads())
+            n = lib.scape_count_at(native.ptr(mask), native.ptr(prev_idx), prev_idx.numel())
             return n if lib.on_device else torch.tensor(float(n))
         return torch.count_nonzero(mask.index_select(0, prev_idx))
 

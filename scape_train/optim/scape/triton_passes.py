@@ -12,7 +12,8 @@ per-segment tables as host int64 tables (``native.table``), fp32 scalars. What d
 - **Tables travel to the device** once per content: the per-tensor gradient table (pointers
   change when autograd allocates new gradients), the parameter tables (stable for a mask plan).
   Each is cached by its bytes, with the launch's block table beside it.
-- **No thread count**: the C loops' last argument (host threads) is accepted and ignored here.
+- **No thread count**: the C loops take torch's, added by :mod:`.native`'s wrapper; these take
+  none.
 - **Rounding as the C loops and torch**: ``enable_fp_fusion=False`` (no FMA contraction, as
   ``-ffp-contract=off``), ``div_rn``/``sqrt_rn`` (correctly rounded, where Triton's ``/`` and
   ``sqrt`` are approximate on the GPU), sums of squares in float64 (the order differs from the
@@ -375,8 +376,7 @@ class TritonPasses:
             run(_prepare_kernel, (nblk,), blocks, gt, e, m or 0, parts, beta1, *rest, **kw)
         return parts.sum()
 
-    def scape_prepare_replicated_general(self, ntensor, gtab, numels, e, m, beta1, s,
-                                         nthreads=1):
+    def scape_prepare_replicated_general(self, ntensor, gtab, numels, e, m, beta1, s):
         return self._prepare(ntensor, gtab, numels, e, m, s, beta1=beta1, general=True)
 
     def _add_scaled_grads(self, ntensor, gtab, numels, e, s, lo=0, hi=0, rho=None, cand=None
@@ -384,7 +384,7 @@ class TritonPasses:
         return self._prepare(ntensor, gtab, numels, e, None, s, lo, hi, rho, cand)
 
     def scape_prepare_replicated(self, ntensor, gtab, numels, e, m, pidx, kp, ptab, npseg,
-                                 beta1, s, nthreads=1):
+                                 beta1, s):
         sq = self._add_scaled_grads(ntensor, gtab, numels, e, s)
         blocks, pt = self._segment_blocks(ptab, npseg, 4)
         nblk = blocks.numel() // 2
@@ -396,7 +396,7 @@ class TritonPasses:
         return sq
 
     def scape_prepare_sharded(self, ntensor, gtab, numels, e, rho, m, pidx_own, kp, lo, hi,
-                              cand, beta1, s, nthreads=1):
+                              cand, beta1, s):
         if kp:       # first: the candidate reads ρ
             def launch(a, n, _parts):
                 i = pidx_own + 8 * a
@@ -405,10 +405,10 @@ class TritonPasses:
             self._over_k(kp, launch, sums=False)
         return self._add_scaled_grads(ntensor, gtab, numels, e, s, lo, hi, rho, cand)
 
-    def scape_gather(self, k, idx, base, src, values, nthreads=1):
+    def scape_gather(self, k, idx, base, src, values):
         return self._gather(k, idx, base, src, values, False)
 
-    def scape_take(self, k, idx, src, values, nthreads=1):
+    def scape_take(self, k, idx, src, values):
         return self._gather(k, idx, 0, src, values, True)
 
     def _over_k(self, k: int, launch, dtype=torch.float64, sums: bool = True):
@@ -432,7 +432,7 @@ class TritonPasses:
                 TAKE=take, ALIGNED=_aligned(i, v), BLOCK=K_BLOCK)
         return self._over_k(k, launch)
 
-    def scape_ghat(self, k, idx, base, b, rho, m, beta1, d, nthreads=1):
+    def scape_ghat(self, k, idx, base, b, rho, m, beta1, d):
         def launch(a, n, parts):
             i, bb = idx + 8 * a, b + 4 * a
             run(_ghat_kernel, (triton.cdiv(n, K_BLOCK),), n, i, base, bb, rho or 0, m, parts,
@@ -441,8 +441,7 @@ class TritonPasses:
         return self._over_k(k, launch)
 
     def scape_adams(self, idx, j0, k, base, ghat, m, mlen, zidx, kz, ttab, nseg, out, work,
-                    coef, clip, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, bias,
-                    nthreads=1):
+                    coef, clip, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, bias):
         if k:    # m at the mask, read before m is zeroed on its old support
             self._gather(k, idx + 8 * j0, base, m, work, False)
         if kz < 0:
@@ -468,13 +467,13 @@ class TritonPasses:
                 ALIGNED=_aligned(i), BLOCK=K_BLOCK)
         return self._over_k(k, launch)
 
-    def scape_scatter_params(self, idx, stab, nseg, values, nthreads=1):
+    def scape_scatter_params(self, idx, stab, nseg, values):
         blocks, st = self._segment_blocks(stab, nseg, 5)
         nblk = blocks.numel() // 2
         if nblk:
             run(_scatter_params_kernel, (nblk,), blocks, st, idx, values, BLOCK=K_BLOCK)
 
-    def scape_count_at(self, mask, idx, k, nthreads=1):
+    def scape_count_at(self, mask, idx, k):
         def launch(a, n, parts):
             i = idx + 8 * a
             run(_count_at_kernel, (triton.cdiv(n, K_BLOCK),), mask, i, n, parts,

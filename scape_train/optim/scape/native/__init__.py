@@ -13,8 +13,10 @@ the torch path, which is also the reference the C loops are tested against. What
 
 The loops are called through ``ctypes`` on the tensors' raw pointers; ctypes drops the GIL for
 the call, so a background collective keeps progressing. The callers check contiguity and dtype.
-The loops take a thread count last (``torch.get_num_threads()``, from the caller):
-what they write, and the sums they return, are the same for any count (``scape_cpu.c``).
+The loops take a thread count last; the wrapper (:class:`_Counted`) passes torch's intra-op
+count, so callers call them as the Triton twins, without one. What they write, and the sums
+they return, are the same for any count (``scape_cpu.c``; set ``torch.set_num_threads`` to
+choose it).
 """
 
 from __future__ import annotations
@@ -70,10 +72,9 @@ def _col_sum(tab: int, rows: int, width: int, col: int) -> int:
 
 _TRAFFIC = {
     # mask write (1 B per element), the indices (8 B per one), the gathered bytes read
-    "scape_mask_decode": lambda nseg, tab, buf, n, mask, total, idx, cap, *_:
-        total + 8 * cap + n,
+    "scape_mask_decode": lambda nseg, tab, buf, n, mask, total, idx, cap: total + 8 * cap + n,
     # the owner's bits read, its shard written
-    "scape_mask_encode": lambda nseg, tab, bits, shard, n, *_: _col_sum(tab, nseg, 8, 2) + n,
+    "scape_mask_encode": lambda nseg, tab, bits, shard, n: _col_sum(tab, nseg, 8, 2) + n,
     # g, e read, e written per element; at m's support idx, m, g, e read, e written
     "scape_prepare_replicated": lambda nt, gtab, numels, e, m, pidx, kp, *_:
         12 * sum(_i64s(numels, nt)) + 24 * kp,
@@ -88,11 +89,11 @@ _TRAFFIC = {
     # written; m zeroed at its old support (all of m when unknown)
     "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, *_:
         40 * k + (4 * mlen if kz < 0 else 12 * kz),
-    "scape_count_at": lambda mask, idx, k, *_: 9 * k,
-    "scape_scatter_params": lambda idx, stab, nseg, v, *_:
+    "scape_count_at": lambda mask, idx, k: 9 * k,
+    "scape_scatter_params": lambda idx, stab, nseg, v:
         16 * (_col_sum(stab, nseg, 5, 3) - _col_sum(stab, nseg, 5, 2)),
     # the sample, two passes over |c| (bits written in the second), the candidates
-    "scape_topk_bits": lambda c, n, k, smp, ssize, rank, bits, work, cap, *_: 12 * ssize
+    "scape_topk_bits": lambda c, n, k, smp, ssize, rank, bits, work, cap: 12 * ssize
         + 9 * n + 8 * k,
 }
 counters: list = []          # DeviceOpCounters in effect (profiling.py registers them)
@@ -105,6 +106,8 @@ class _Counted:
         self._cdll = cdll
         # True for the Triton twin (triton_passes): sums are device tensors, coef is one
         self.on_device = bool(getattr(cdll, "on_device", False))
+        # the C loops' last argument: the host threads to run on (torch's count, per call)
+        self._threads = (lambda: (torch.get_num_threads(),)) if not self.on_device else tuple
 
     def __getattr__(self, name: str):
         fn, traffic = getattr(self._cdll, name), _TRAFFIC[name]
@@ -114,7 +117,7 @@ class _Counted:
                 nbytes = traffic(*args)
                 for c in counters:   # a C loop, or a Triton pass (one launch per call)
                     (c.add_kernel if self.on_device else c.add_native)(name, nbytes)
-            return fn(*args)
+            return fn(*args, *self._threads())
 
         setattr(self, name, call)
         return call
