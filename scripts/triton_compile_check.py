@@ -67,8 +67,9 @@ def variants() -> list[tuple]:
                         *want))
         for has_rho in (False, True):
             out.append((tp._ghat_kernel, dict(k=A, idx_addr=A, base=A, b_addr=A, rho_addr=A,
-                                              m_addr=A, parts=F64, nb="fp32", d="fp32"),
-                        {"HAS_RHO": has_rho, **kba}, *want))
+                                              m_addr=A, mc_addr=A, parts=F64, nb="fp32",
+                                              d="fp32"),
+                        {"HAS_RHO": has_rho, "HAS_MC": True, **kba}, *want))
         out.append((tp._fill_kernel, dict(dst_addr=A, idx_addr=A, k=A, value="fp32",
                                           parts=F64), kba, *want))
         out.append((tp._zero_kernel, dict(dst_addr=A, n=A), fba))   # stores only
@@ -77,11 +78,12 @@ def variants() -> list[tuple]:
     scal = {n: "fp32" for n in ("beta1", "beta2", "omb1", "omb2", "bc1", "sqrt_bc2", "eps", "ns")}
     for clip, has_out, bias in ((True, False, 1), (False, True, 2), (True, True, 0)):
         out.append((tp._adams_kernel, dict(blocks=P64, ttab=P64, idx_addr=A, j0=A, base=A,
-                                           ghat_addr=A, m_addr=A, out_addr=A, work_addr=A,
+                                           ghat_addr=A, m_addr=A, out_addr=A, mc_addr=A,
                                            coef_ptr=F32, **scal),
                     {"CLIP": clip, "HAS_OUT": has_out, "BIAS": bias, **kb}))
     out.append((tp._scatter_params_kernel, dict(blocks=P64, stab=P64, idx_addr=A,
                                                 values_addr=A), kb))
+    out.append((tp._decay_kernel, dict(blocks=P64, dtab=P64), fb))
     # the mask-bit kernels (kernels.py's Triton backend)
     out.append((tk._pack_kernel, dict(mask_ptr=U8, out_ptr=U8, n=A, nbytes=A),
                 {"BLOCK_BYTES": tk.PACK_BLOCK_BYTES}))

@@ -197,3 +197,34 @@ def test_the_deferred_fold_is_skipped_by_the_next_prepare_and_applied_for_any_ot
     sr, sf = ref.engine.full_state(), fus.engine.full_state()
     for k in sr:
         _close(sr[k], sf[k], msg=k)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_segment_without_ones_still_gets_its_weight_decay(sharded):
+    """The C loops decay θ as they walk the mask's segments; a segment whose mask holds no one
+    (a mask measured from a checkpoint of another partition can leave one so) is decayed
+    apart. The fused step after such a load equals the reference step, that tensor included."""
+    from scape_train.optim.scape.kernels import pack_bits, unpack_bits
+
+    runs = {}
+    for impl in ("reference", "fused"):
+        s, w, model = make(_cfg(scape_impl=impl, sharded=sharded, density_warmup_steps=0))
+        for t in range(1, 3):
+            train_step(s, w, t, 0)
+        state = s.state_dict()
+        name = next(n for n, wd in zip(s.layout.names, s.layout.weight_decay) if wd > 0
+                    and n in state["mask_next"])
+        p = dict(model.named_parameters())[name]
+        bits = unpack_bits(state["mask_next"][name], p.numel(), backend="torch")
+        assert bits.any()
+        state["mask_next"][name] = pack_bits(torch.zeros_like(bits), backend="torch")
+        state["partitioner"] = "flat"       # "another partition": the counts are measured
+        s.load_state_dict(state)
+        before = p.detach().clone()
+        train_step(s, w, 3, 0)
+        assert impl == "reference" or s.engine.fast
+        runs[impl] = (flat_params(w), p.detach().clone(), before)
+        s.close()
+    for impl, (_, p_new, before) in runs.items():     # the decay alone, bit for bit
+        assert torch.equal(p_new, before * (1.0 - 1e-2 * 0.1)), impl
+    _close(runs["reference"][0], runs["fused"][0])

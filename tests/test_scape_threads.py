@@ -148,22 +148,23 @@ def test_gather_take_ghat_count_at_are_the_same_on_any_number_of_threads():
         sq_g = LIB.scape_gather(K, native.ptr(idx), 0, native.ptr(src0), native.ptr(vals))
         src, took = src0.clone(), torch.empty(K)
         sq_t = LIB.scape_take(K, native.ptr(idx), native.ptr(src), native.ptr(took))
-        b, rho = b0.clone(), rho0.clone()
+        b, rho, mc = b0.clone(), rho0.clone(), torch.empty(K)
         sq_h = LIB.scape_ghat(K, native.ptr(idx), 0, native.ptr(b), native.ptr(rho),
-                              native.ptr(m), 0.9, 0.1)
+                              native.ptr(m), native.ptr(mc), 0.9, 0.1)
         b2 = b0.clone()
         sq_h2 = LIB.scape_ghat(K - 7, native.ptr(idx[7:]), 5, native.ptr(b2), None,
-                               native.ptr(m), 0.9, 0.1)
+                               native.ptr(m), None, 0.9, 0.1)
         n = LIB.scape_count_at(native.ptr(mask.view(torch.uint8)), native.ptr(idx), K)
-        return vals, sq_g, src, took, sq_t, b, rho, sq_h, b2, sq_h2, n
+        return vals, sq_g, src, took, sq_t, b, rho, mc, sq_h, b2, sq_h2, n
 
-    vals, sq_g, src, took, sq_t, b, rho, sq_h, b2, sq_h2, n = _same_on_every_count(run)
+    vals, sq_g, src, took, sq_t, b, rho, mc, sq_h, b2, sq_h2, n = _same_on_every_count(run)
     assert torch.equal(vals, src0[idx]) and torch.equal(took, vals)
     want_src = src0.clone()
     want_src[idx] = 0.0
     assert torch.equal(src, want_src)
     ghat = (m[idx] * -0.9 + (b0 + rho0[idx])) / torch.tensor(0.1)
     assert torch.equal(b, ghat)
+    assert torch.equal(mc, m[idx])                 # the old momentum at the mask, for AdamS
     want_rho = rho0.clone()
     want_rho[idx] = 0.0
     assert torch.equal(rho, want_rho)
@@ -197,23 +198,26 @@ def test_adams_and_scatter_are_the_same_on_any_number_of_threads(sharded, bias):
     base = 0
     kz = -1 if bias == 2 else old.numel()     # m zeroed everywhere, or on its old support
     coef, clip = 0.75, bias != 1
+    # the weight decay per tensor: one without (1.0), one with a tiny factor, the rest 1 - 1e-3
+    decay = [1.0, 0.5] + [1.0 - 1e-3] * (len(rows) - 2)
+    bits = [int(torch.tensor(d).view(torch.int32)) for d in decay]
 
     def run():
         theta = [p.clone() for p in theta0]
         m, ghat = m0.clone(), ghat0[j0:j0 + k].clone()
-        ttab = native.table([[p.data_ptr(), off, max(a, j0), min(b, j0 + k)]
-                             for p, (off, _, a, b) in zip(theta, rows)
-                             if max(a, j0) < min(b, j0 + k)], 4)
+        mc = m0[idx[j0:j0 + k]]                # the old momentum at the mask (scape_ghat's)
+        ttab = native.table([[p.data_ptr(), off, max(a, j0), min(b, j0 + k), 0, numel, d]
+                             for p, (off, numel, a, b), d in zip(theta, rows, bits)
+                             if max(a, j0) < min(b, j0 + k)], 7)
         out = torch.full((k,), float("nan")) if sharded else None
-        work = torch.empty(k)
         LIB.scape_adams(native.ptr(idx), j0, k, base, native.ptr(ghat), native.ptr(m), N,
                         native.ptr(old), kz, native.ptr(ttab), ttab.shape[0], native.ptr(out),
-                        native.ptr(work), coef, int(clip), 0.9, 0.95, 0.1, 0.05, 0.8,
+                        native.ptr(mc), coef, int(clip), 0.9, 0.95, 0.1, 0.05, 0.8,
                         math.sqrt(0.7), 1e-8, -1e-3, bias)
         scattered = [p.clone() for p in theta0]
         vals = torch.randn(K, generator=torch.Generator().manual_seed(16))
-        stab = native.table([[p.data_ptr(), off, a, b, a] for p, (off, _, a, b)
-                             in zip(scattered, rows) if a < b], 5)
+        stab = native.table([[p.data_ptr(), off, a, b, a, 0, numel, d] for p, (off, numel, a, b), d
+                             in zip(scattered, rows, bits) if a < b], 8)
         LIB.scape_scatter_params(native.ptr(idx), native.ptr(stab), stab.shape[0],
                                  native.ptr(vals))
         return (*theta, m, ghat, *([out] if sharded else []), *scattered)
@@ -221,6 +225,7 @@ def test_adams_and_scatter_are_the_same_on_any_number_of_threads(sharded, bias):
     got = _same_on_every_count(run)
     nt = len(rows)
     theta, m, ghat = got[:nt], got[nt], got[nt + 1]
+    decayed = torch.cat([p * d for p, d in zip(theta0, decay)])   # θ·(1 - lr·wd), torch's ops
     # against torch's ops (sqrt within an ulp: torch's vectorized sqrt is not correctly rounded)
     sl = idx[j0:j0 + k]
     gg = ghat0[j0:j0 + k] * coef if clip else ghat0[j0:j0 + k]
@@ -230,22 +235,28 @@ def test_adams_and_scatter_are_the_same_on_any_number_of_threads(sharded, bias):
     mn = mc * 0.9 + gg * 0.1
     den = v.sqrt() / torch.tensor(math.sqrt(0.7)) if bias == 1 else v.sqrt()
     upd = (mn * -1e-3) / (den + 1e-8)
-    assert torch.equal(ghat, mn)
+    assert torch.equal(ghat, ghat0[j0:j0 + k])     # ĝ is only read
     want_m = m0.clone()
     want_m[:] = 0.0 if kz < 0 else m0
     if kz >= 0:
         want_m[old] = 0.0
     want_m[sl] = mn
     assert torch.equal(m, want_m)
-    new_theta = torch.cat(theta0).clone()
+    new_theta = decayed.clone()
     new_theta[sl] += upd
     if sharded:
         torch.testing.assert_close(got[nt + 2], new_theta[sl], rtol=1e-6, atol=1e-9)
         assert torch.equal(torch.cat(theta), torch.cat(theta0))    # θ itself not written
     else:
         torch.testing.assert_close(torch.cat(theta), new_theta, rtol=1e-6, atol=1e-9)
+        off_mask = torch.ones(N, dtype=torch.bool)
+        off_mask[sl] = False
+        off_mask[torch.cat([torch.arange(o, o + n) for o, n, a, b in rows
+                            if not (max(a, j0) < min(b, j0 + k))] or [torch.arange(0)])] = False
+        # off the mask the decay alone, bit for bit (a tensor outside the slice: untouched)
+        assert torch.equal(torch.cat(theta)[off_mask], decayed[off_mask])
     scattered = torch.cat(got[-nt:])
-    want = torch.cat(theta0).clone()
+    want = decayed.clone()
     want[idx] = torch.randn(K, generator=torch.Generator().manual_seed(16))
     assert torch.equal(scattered, want)
 

@@ -166,14 +166,16 @@ def test_k_sized_passes_over_whole_blocks_and_a_tail(k):
         out = {}
         for name, lib in (("c", c_lib), ("triton", t_lib)):
             s, m = src.clone(), torch.randn(n, generator=torch.Generator().manual_seed(1))
-            vals = torch.empty(k + start)
+            vals, mc = torch.empty(k + start), torch.empty(k + start)
             p = native.ptr(idx) + 8 * start
             v = native.ptr(vals) + 4 * start
             sums = [lib.scape_gather(k, p, 0, native.ptr(s), v),
-                    lib.scape_ghat(k, p, 0, v, None, native.ptr(m), 0.9, 0.1),
+                    lib.scape_ghat(k, p, 0, v, None, native.ptr(m), native.ptr(mc) + 4 * start,
+                                   0.9, 0.1),
                     lib.scape_take(k, p, native.ptr(s), v)]
             zero = (s == 0).to(torch.uint8)            # held: its pointer goes to the pass
             sums.append(lib.scape_count_at(native.ptr(zero), p, k))
+            assert torch.equal(mc[start:], m[idx[start:]])   # the old m at the mask, stored
             out[name] = ([float(x) for x in sums], s, vals[start:], m)
         (cs, *ct), (ts, *tt) = out["c"], out["triton"]
         for a, b in zip(ct, tt):

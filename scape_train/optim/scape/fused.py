@@ -10,9 +10,13 @@ What makes it O(k) instead of O(numel):
     scaled in place), ``e[pidx] ← β1·m[pidx] + (1-β1)·g[pidx]`` (there ``e_{t-1} = 0``). The
     payload is ``e[idx]``; after the owner's top-k has read ``e`` on its range, ``e[idx] ← 0``
     leaves ``e_t = (1-M)⊙c``. No separate ``c``, no full-size ``ĝ``.
-  - AdamS runs on the k gathered values; off the mask the parameters only get weight decay, one
-    ``torch._foreach_mul_`` over the decayed tensors; the new values at the mask positions are
-    index-copied into each parameter's flat view (one op per segment, on k-sized slices).
+  - AdamS runs on the k gathered values; off the mask the parameters only get weight decay.
+    The torch ops apply it as one ``torch._foreach_mul_`` over the decayed tensors and index-copy
+    the new values at the mask positions into each parameter's flat view (one op per segment,
+    on k-sized slices); the C loops decay θ in the same walk that updates the mask positions
+    (one pass over θ, not two), the Triton kernels in one coalesced launch before it. The old
+    momentum at the mask is stored by the ĝ pass, which reads it anyway, so AdamS reads it
+    contiguously instead of gathering it again.
 
 Values: the same elementwise ops in the same order as the reference on every coordinate (the
 off-mask candidate is ``round((1-β1)·g) + e``, as the reference's ``β1·0 + (1-β1)·g`` then
@@ -38,6 +42,7 @@ on the previous mask no longer holds) and offloaded residuals (walked in host ch
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -72,6 +77,11 @@ def _root(sq, cut=0.0) -> torch.Tensor:
     return torch.tensor(math.sqrt(max(sq - cut, 0.0)), dtype=torch.float64)
 
 
+def _float_bits(x: float) -> int:
+    """``x`` rounded to float32 (as torch rounds a scalar for a float32 op), as its bits."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
 def _gathered_at(a: int, starts: list[int], counts: list[int], width: int) -> int:
     """Where index-list entry ``a`` sits in the parameter all-gather: owners' shards are
     ``width`` apart, owner r's values start at its ``starts[r]``-th index."""
@@ -82,10 +92,13 @@ def _gathered_at(a: int, starts: list[int], counts: list[int], width: int) -> in
 class _MaskIndex:
     """A mask's sorted flat indices, cut by the plan's segments ``(tensor, a, b)``; the
     per-tensor indices (flat minus the tensor's offset) are computed when a torch op needs
-    them -- the C loops take the flat ones and the offsets."""
+    them -- the C loops take the flat ones and the offsets. ``spans``: each segment's elements
+    ``(s0, s1)`` in its tensor; ``empty``: ``(tensor, s0, s1)`` of the segments without ones
+    (a mask measured from a checkpoint of another world size can leave one so)."""
 
-    def __init__(self, segs: list, idx: torch.Tensor, offsets: torch.Tensor):
-        self.segs, self.idx, self._offsets = segs, idx, offsets
+    def __init__(self, plan: tuple, idx: torch.Tensor):
+        self.segs, self._offsets, _, self.spans, self.empty = plan
+        self.idx = idx
         self._local: torch.Tensor | None = None
 
     @property
@@ -139,26 +152,29 @@ class _FusedMixin:
         if plan is None:
             self._plans.clear()      # the current density's plan only (a warm-up visits many)
             lay = self.layout
-            segs, offs, reps, at = [], [], [], 0
+            segs, offs, reps, spans, empty, at = [], [], [], [], [], 0
             for rank_segs, rank_counts in zip(self.part.segments, counts):
                 for seg, k in zip(rank_segs, rank_counts):
+                    s0 = seg.flat_start - lay.offsets[seg.tensor]
                     if k:
                         segs.append((seg.tensor, at, at + k))
                         offs.append(lay.offsets[seg.tensor])
                         reps.append(k)
+                        spans.append((s0, s0 + seg.numel))
+                    elif seg.numel:
+                        empty.append((seg.tensor, s0, s0 + seg.numel))
                     at += k
             dev = lay.device
             offsets = (torch.repeat_interleave(torch.tensor(offs, dtype=torch.int64),
                                                torch.tensor(reps, dtype=torch.int64),
                                                output_size=at).to(dev)
                        if segs else torch.zeros(0, dtype=torch.int64, device=dev))
-            plan = (segs, offsets, at)
+            plan = (segs, offsets, at, spans, empty)
             self._plans[key] = plan
         return plan
 
     def _index(self, idx: torch.Tensor, counts: list[list[int]]) -> _MaskIndex:
-        segs, offsets, _ = self._plan(counts)
-        return _MaskIndex(segs, idx, offsets)
+        return _MaskIndex(self._plan(counts), idx)
 
     # -- the passes library (passes.py: the C loops or the Triton kernels), one pass per phase --
     def _passes(self, grads=None):
@@ -183,27 +199,40 @@ class _FusedMixin:
         gtab = native.table([[g.data_ptr(), offs[i]] for i, g in enumerate(grads)], 2)
         return len(grads), gtab, self._numels
 
-    def _param_table(self, segs: list, lo: int, hi: int, src=None) -> torch.Tensor:
+    def _param_table(self, mi: _MaskIndex, lo: int, hi: int, lr: float, src=None
+                     ) -> torch.Tensor:
         """Per segment of the index-list slice ``[lo, hi)``: θ's pointer, its flat offset,
-        ``a``, ``b`` (and, with ``src(a)``, where its values start in a gathered buffer)."""
+        ``a``, ``b`` (and, with ``src(a)``, where its values start in a gathered buffer), the
+        segment's elements ``[s0, s1)`` in the tensor and its weight decay's factor
+        ``1 - lr·wd`` as float32 bits (the passes apply the off-mask update as they walk θ)."""
         lay = self.layout
         rows = [[lay.params[t].data_ptr(), lay.offsets[t], a, b] + ([] if src is None
                                                                    else [src(a)])
-                for t, a, b in segs if a >= lo and b <= hi]
-        return native.table(rows, 4 if src is None else 5)
+                + [s0, s1, _float_bits(1.0 - lr * lay.weight_decay[t])]
+                for (t, a, b), (s0, s1) in zip(mi.segs, mi.spans) if a >= lo and b <= hi]
+        return native.table(rows, 7 if src is None else 8)
+
+    def _decay_empty(self, mi: _MaskIndex, lr: float) -> None:
+        """The weight decay of the segments no parameter table lists (no ones in the mask)."""
+        lay = self.layout
+        for t, s0, s1 in mi.empty:
+            if lay.weight_decay[t] != 0.0:
+                lay.flat_view(t)[s0:s1].mul_(1.0 - lr * lay.weight_decay[t])
 
     def _passes_adams(self, lib, idx, j0: int, k: int, base: int, ghat: torch.Tensor,
-                      m: torch.Tensor, old_support: torch.Tensor | None, ttab: torch.Tensor,
-                      out: torch.Tensor | None, coef, lr: float, step: int) -> None:
-        """:meth:`_adams_k` and :meth:`_set_momentum` in C over the index list's
-        ``[j0, j0 + k)``: θ updated in place (or into ``out``); m zeroed on ``old_support``
-        (indices into ``m``; ``None``: everywhere) and set to the new momentum at the mask."""
+                      mc: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
+                      ttab: torch.Tensor, out: torch.Tensor | None, coef, lr: float,
+                      step: int) -> None:
+        """:meth:`_decay`, :meth:`_adams_k` and :meth:`_set_momentum` in C over the index
+        list's ``[j0, j0 + k)`` (``mc``: the old momentum there, from the ĝ pass): θ updated in
+        place, the table's segments decayed off the mask in the same walk (or the new θ into
+        ``out``); m zeroed on ``old_support`` (indices into ``m``; ``None``: everywhere) and set
+        to the new momentum at the mask."""
         cfg = self.cfg
         beta1, beta2 = cfg.betas
         bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
         bias = {"adam": 1, "official": 2}.get(cfg.bias_correction, 0)
         step_size = lr / bc1 if bias else lr
-        work = torch.empty(k, dtype=torch.float32, device=m.device)
         kz = -1 if old_support is None else old_support.numel()
         if coef is None:
             coef_arg = 1.0
@@ -211,7 +240,7 @@ class _FusedMixin:
             coef_arg = coef if lib.on_device else float(coef)
         lib.scape_adams(native.ptr(idx), j0, k, base, native.ptr(ghat), native.ptr(m),
                         m.numel(), native.ptr(old_support), kz, native.ptr(ttab),
-                        ttab.shape[0], native.ptr(out), native.ptr(work),
+                        ttab.shape[0], native.ptr(out), native.ptr(mc),
                         coef_arg, int(coef is not None), beta1,
                         beta2, 1.0 - beta1, 1.0 - beta2, bc1, math.sqrt(bc2), cfg.eps,
                         -step_size, bias)
@@ -420,15 +449,15 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
                                      native.ptr(payload))    # and Σ_M c², for the metric
         _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
                     during_payload)
+        mc = torch.empty(k, dtype=torch.float32, device=c.device)    # the old m at the mask
         sq = lib.scape_ghat(k, native.ptr(idx), 0, native.ptr(payload), None, native.ptr(m),
-                            cfg.betas[0], 1.0 - cfg.betas[0])  # payload becomes ĝ
+                            native.ptr(mc), cfg.betas[0], 1.0 - cfg.betas[0])  # payload: ĝ
         norm = _root(sq).float()
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         mi = self._index(idx, counts)
-        segs = mi.segs
-        self._decay(lr)
-        self._passes_adams(lib, idx, 0, k, 0, payload, m, self._pidx,
-                           self._param_table(segs, 0, k), None, coef, lr, step)  # and m
+        self._passes_adams(lib, idx, 0, k, 0, payload, mc, m, self._pidx,
+                           self._param_table(mi, 0, k, lr), None, coef, lr, step)  # and m
+        self._decay_empty(mi, lr)
         self._pidx = idx
         self._prev_local = mi
         self._idx, self._zero_pending = idx, True
@@ -590,9 +619,10 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         del send
         k_own, s_own = counts[rank], starts[rank]
         own = idx[s_own:s_own + k_own]
+        mc = torch.empty(k_own, dtype=torch.float32, device=x.device)  # the old m at the mask
         sq = lib.scape_ghat(k_own, native.ptr(own), lo, native.ptr(recv), native.ptr(self.rho),
-                            native.ptr(m), cfg.betas[0], 1.0 - cfg.betas[0])  # recv = ĝ;
-        # ρ = (1-M)⊙base
+                            native.ptr(m), native.ptr(mc), cfg.betas[0],
+                            1.0 - cfg.betas[0])  # recv = ĝ; ρ = (1-M)⊙base
         sq_t = _as_tensor(sq).float().reshape(1)
         comm.all_reduce(sq_t, kind="norm", average=False)
         norm = sq_t.sqrt()[0]
@@ -600,13 +630,11 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         x_sq, self._x_sq = self._x_sq, None
         res = (torch.linalg.vector_norm(x).double() if x_sq is None else _root(x_sq, cut))
         mi = self._index(idx, seg_counts)
-        segs = mi.segs
-        self._decay(lr)
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
-        if k_own:
-            self._passes_adams(lib, idx, s_own, k_own, lo, recv, m, self._pidx_own,
-                               self._param_table(segs, s_own, s_own + k_own), shard, coef, lr,
-                               step)                          # and m (own range)
+        if k_own:     # θ·(1 - lr·wd) + the update into the shard; θ itself is not written yet
+            self._passes_adams(lib, idx, s_own, k_own, lo, recv, mc, m, self._pidx_own,
+                               self._param_table(mi, s_own, s_own + k_own, lr), shard, coef,
+                               lr, step)                      # and m (own range)
         elif self._pidx_own is None:
             m.zero_()
         else:
@@ -614,10 +642,12 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         gathered = torch.empty(width * world, dtype=torch.float32, device=x.device)
         comm.all_gather(gathered, shard, kind="params")
 
-        stab = self._param_table(segs, 0, idx.numel(),
+        # θ from the gathered shards at the mask, θ·(1 - lr·wd) elsewhere: one walk of θ
+        stab = self._param_table(mi, 0, idx.numel(), lr,
                                  lambda a: _gathered_at(a, starts, counts, width))
         lib.scape_scatter_params(native.ptr(idx), native.ptr(stab), stab.shape[0],
                                  native.ptr(gathered))
+        self._decay_empty(mi, lr)
         self._pidx, self._pidx_own = idx, own - lo
         self._prev_local = mi
         self._x = None

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .counted_launch import run
+from .native import ONE_BITS
 
 FULL_BLOCK = 4096      # elements per program of a full-size pass
 K_BLOCK = 1024         # index-list entries per program of a k-sized pass
@@ -175,9 +176,11 @@ def _gather_kernel(k, idx_addr, base, src_addr, out_addr, parts, TAKE: tl.conste
 
 
 @triton.jit
-def _ghat_kernel(k, idx_addr, base, b_addr, rho_addr, m_addr, parts, nb, d,
-                 HAS_RHO: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """ĝ = (m·(-β1) + b (+ ρ, then ρ ← 0)) / (1-β1) in place of b; Σ ĝ²."""
+def _ghat_kernel(k, idx_addr, base, b_addr, rho_addr, m_addr, mc_addr, parts, nb, d,
+                 HAS_RHO: tl.constexpr, HAS_MC: tl.constexpr, ALIGNED: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """ĝ = (m·(-β1) + b (+ ρ, then ρ ← 0)) / (1-β1) in place of b (HAS_MC: and mc[j] ← m,
+    the old momentum at the mask, for the AdamS pass); Σ ĝ²."""
     pid = tl.program_id(0)
     j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = j < k
@@ -187,6 +190,8 @@ def _ghat_kernel(k, idx_addr, base, b_addr, rho_addr, m_addr, parts, nb, d,
         t = t + tl.load(_f32(rho_addr) + i, mask=keep, other=0.0)
         tl.store(_f32(rho_addr) + i, tl.zeros_like(t), mask=keep)
     m = tl.load(_f32(m_addr) + i, mask=keep, other=0.0)
+    if HAS_MC:
+        tl.store(_lane(_f32(mc_addr), j, ALIGNED), m, mask=keep)
     g = tl.div_rn(m * nb + t, d)
     tl.store(_lane(_f32(b_addr), j, ALIGNED), g, mask=keep)
     tl.store(parts + pid, _sq_sum(g, keep))
@@ -213,22 +218,40 @@ def _zero_kernel(dst_addr, n, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _adams_kernel(blocks, ttab, idx_addr, j0, base, ghat_addr, m_addr, out_addr, work_addr,
+def _row_decay(row, col):
+    """A parameter-table row's decay factor (a float32's bits in an int64 column)."""
+    return tl.load(row + col).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decay_kernel(blocks, dtab, BLOCK: tl.constexpr):
+    """θ ← θ·dec on one block of a segment (``dtab`` rows: θ's pointer, dec's bits)."""
+    pid = tl.program_id(0)
+    row = dtab + 2 * tl.load(blocks + 3 * pid)
+    offs = tl.load(blocks + 3 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
+    keep = offs < tl.load(blocks + 3 * pid + 2)
+    ptr = _f32(tl.load(row)) + offs
+    th = tl.load(ptr, mask=keep, other=0.0)
+    tl.store(ptr, th * _row_decay(row, 1), mask=keep)
+
+
+@triton.jit
+def _adams_kernel(blocks, ttab, idx_addr, j0, base, ghat_addr, m_addr, out_addr, mc_addr,
                   coef_ptr, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns,
                   CLIP: tl.constexpr, HAS_OUT: tl.constexpr, BIAS: tl.constexpr,
                   BLOCK: tl.constexpr):
     """AdamS at one segment block of the mask (``scape_adams``'s arithmetic, op for op): θ
-    updated (or written to out), m[i] ← m', ĝ ← m'. ``work``: m at the mask, gathered before
-    m was zeroed."""
+    updated (the decay pass has run), or θ·dec + the update written to out; m[i] ← m'.
+    ``mc``: m at the mask, from the ĝ pass (before m was zeroed)."""
     pid = tl.program_id(0)
-    row = ttab + 4 * tl.load(blocks + 2 * pid)
+    row = ttab + 7 * tl.load(blocks + 2 * pid)
     j = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
     keep = j < tl.load(row + 3)
     i = tl.load(_i64(idx_addr) + j, mask=keep, other=0)
     g = tl.load(_f32(ghat_addr) + (j - j0), mask=keep, other=0.0)
     if CLIP:
         g = g * tl.load(coef_ptr)
-    mc = tl.load(_f32(work_addr) + (j - j0), mask=keep, other=0.0)
+    mc = tl.load(_f32(mc_addr) + (j - j0), mask=keep, other=0.0)
     if BIAS == 2:
         prev = tl.div_rn(mc, bc1)
     else:
@@ -246,20 +269,20 @@ def _adams_kernel(blocks, ttab, idx_addr, j0, base, ghat_addr, m_addr, out_addr,
     den = den + eps
     upd = tl.div_rn(ns * mn, den)
     th_ptr = _f32(tl.load(row)) + (i - tl.load(row + 1))
-    th = tl.load(th_ptr, mask=keep, other=0.0) + upd
+    th = tl.load(th_ptr, mask=keep, other=0.0)
     if HAS_OUT:
-        tl.store(_f32(out_addr) + (j - j0), th, mask=keep)
+        th = th * _row_decay(row, 6)
+        tl.store(_f32(out_addr) + (j - j0), th + upd, mask=keep)
     else:
-        tl.store(th_ptr, th, mask=keep)
+        tl.store(th_ptr, th + upd, mask=keep)
     tl.store(_f32(m_addr) + (i - base), mn, mask=keep)
-    tl.store(_f32(ghat_addr) + (j - j0), mn, mask=keep)
 
 
 @triton.jit
 def _scatter_params_kernel(blocks, stab, idx_addr, values_addr, BLOCK: tl.constexpr):
     """θ[idx[j] - off] ← values[src + j - a] on one segment block."""
     pid = tl.program_id(0)
-    row = stab + 5 * tl.load(blocks + 2 * pid)
+    row = stab + 8 * tl.load(blocks + 2 * pid)
     j = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
     keep = j < tl.load(row + 3)
     i = tl.load(_i64(idx_addr) + j, mask=keep, other=0)
@@ -432,30 +455,47 @@ class TritonPasses:
                 TAKE=take, ALIGNED=_aligned(i, v), BLOCK=K_BLOCK)
         return self._over_k(k, launch)
 
-    def scape_ghat(self, k, idx, base, b, rho, m, beta1, d):
+    def scape_ghat(self, k, idx, base, b, rho, m, mc, beta1, d):
         def launch(a, n, parts):
-            i, bb = idx + 8 * a, b + 4 * a
-            run(_ghat_kernel, (triton.cdiv(n, K_BLOCK),), n, i, base, bb, rho or 0, m, parts,
-                -beta1, d, HAS_RHO=rho is not None, ALIGNED=_aligned(i, bb), BLOCK=K_BLOCK,
-                **_OPTS)
+            i, bb, mm = idx + 8 * a, b + 4 * a, (mc or 0) + 4 * a
+            run(_ghat_kernel, (triton.cdiv(n, K_BLOCK),), n, i, base, bb, rho or 0, m,
+                mm if mc else 0, parts, -beta1, d, HAS_RHO=rho is not None,
+                HAS_MC=mc is not None, ALIGNED=_aligned(i, bb, mm if mc else 0),
+                BLOCK=K_BLOCK, **_OPTS)
         return self._over_k(k, launch)
 
-    def scape_adams(self, idx, j0, k, base, ghat, m, mlen, zidx, kz, ttab, nseg, out, work,
+    def _decay(self, tab, nseg, width, col) -> None:
+        """θ·dec over the segment rows' ``[s0, s1)`` (columns ``col``, ``col + 1``; dec's bits
+        in the next), where dec is not 1: one full-size launch (the C loops fold this into
+        their walk over the mask positions; here a coalesced pass costs less than a gap loop
+        per lane)."""
+        rows = _host_rows(tab, nseg, width)
+        sel = [rows[q:q + width] for q in range(0, len(rows), width)
+               if rows[q + col + 2] != ONE_BITS and rows[q + col + 1] > rows[q + col]]
+        if not sel:
+            return
+        dt = self._cached(("decay", tuple((r[0], r[col + 2]) for r in sel)), lambda: self._dev(
+            torch.tensor([[r[0], r[col + 2]] for r in sel], dtype=torch.int64).reshape(-1)))
+        blocks = self._blocks([r[col] for r in sel], [r[col + 1] for r in sel], FULL_BLOCK,
+                              True)
+        run(_decay_kernel, (blocks.numel() // 3,), blocks, dt, BLOCK=FULL_BLOCK, **_OPTS)
+
+    def scape_adams(self, idx, j0, k, base, ghat, m, mlen, zidx, kz, ttab, nseg, out, mc,
                     coef, clip, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, bias):
-        if k:    # m at the mask, read before m is zeroed on its old support
-            self._gather(k, idx + 8 * j0, base, m, work, False)
+        if out is None:      # the off-mask update (and the first half of the on-mask one)
+            self._decay(ttab, nseg, 7, 4)
         if kz < 0:
             run(_zero_kernel, (triton.cdiv(mlen, FULL_BLOCK),), m, mlen, ALIGNED=_aligned(m),
                 BLOCK=FULL_BLOCK)
         elif kz:
             self._fill(m, zidx, kz, 0.0)
-        blocks, tt = self._segment_blocks(ttab, nseg, 4)
+        blocks, tt = self._segment_blocks(ttab, nseg, 7)
         nblk = blocks.numel() // 2
         if not nblk:
             return
         if not isinstance(coef, torch.Tensor):
             coef = torch.tensor([coef], dtype=torch.float32, device=self.device)
-        run(_adams_kernel, (nblk,), blocks, tt, idx, j0, base, ghat, m, out or 0, work,
+        run(_adams_kernel, (nblk,), blocks, tt, idx, j0, base, ghat, m, out or 0, mc,
             coef.reshape(1).to(torch.float32), beta1, beta2, omb1, omb2,
             bc1, sqrt_bc2, eps, ns, CLIP=bool(clip), HAS_OUT=out is not None,
             BIAS=int(bias), BLOCK=K_BLOCK, **_OPTS)
@@ -468,7 +508,8 @@ class TritonPasses:
         return self._over_k(k, launch)
 
     def scape_scatter_params(self, idx, stab, nseg, values):
-        blocks, st = self._segment_blocks(stab, nseg, 5)
+        self._decay(stab, nseg, 8, 5)       # first: the scatter overwrites the mask positions
+        blocks, st = self._segment_blocks(stab, nseg, 8)
         nblk = blocks.numel() // 2
         if nblk:
             run(_scatter_params_kernel, (nblk,), blocks, st, idx, values, BLOCK=K_BLOCK)

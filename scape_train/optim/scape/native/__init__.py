@@ -49,7 +49,7 @@ _SIGNATURES = {
                                    ctypes.c_int]),
     "scape_gather": (_D, [_I, _P, _I, _P, _P, ctypes.c_int]),
     "scape_take": (_D, [_I, _P, _P, _P, ctypes.c_int]),
-    "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _F, _F, ctypes.c_int]),
+    "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _P, _F, _F, ctypes.c_int]),
     "scape_adams": (None, [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _F,
                            ctypes.c_int, _F, _F, _F, _F, _F, _F, _F, _F, ctypes.c_int,
                            ctypes.c_int]),
@@ -70,6 +70,17 @@ def _col_sum(tab: int, rows: int, width: int, col: int) -> int:
     return sum(_i64s(tab, rows * width)[col::width])
 
 
+ONE_BITS = 0x3F800000       # 1.0f: a parameter-table row's decay column for "no decay"
+
+
+def _decayed(tab: int, rows: int, width: int, col: int) -> int:
+    """Elements a parameter table's rows decay: their ranges ``[s0, s1)`` (columns ``col``,
+    ``col + 1``) where the decay column (the next one) is not 1."""
+    vals = _i64s(tab, rows * width)
+    return sum(vals[q + col + 1] - vals[q + col] for q in range(0, len(vals), width)
+               if vals[q + col + 2] != ONE_BITS)
+
+
 _TRAFFIC = {
     # mask write (1 B per element), the indices (8 B per one), the gathered bytes read
     "scape_mask_decode": lambda nseg, tab, buf, n, mask, total, idx, cap: total + 8 * cap + n,
@@ -84,14 +95,19 @@ _TRAFFIC = {
         12 * sum(_i64s(numels, nt)) + 8 * (hi - lo) + 16 * kp,
     "scape_gather": lambda k, *_: 16 * k,
     "scape_take": lambda k, *_: 20 * k,     # idx, src read, values and src written
-    "scape_ghat": lambda k, idx, base, b, rho, *_: (20 if rho is None else 28) * k,
-    # idx, m gathered, ĝ read and written, θ read and written, the update written and read, m
-    # written; m zeroed at its old support (all of m when unknown)
-    "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, *_:
-        40 * k + (4 * mlen if kz < 0 else 12 * kz),
+    # idx, m, the payload read, ĝ written (and ρ read and zeroed; the old m at the mask written)
+    "scape_ghat": lambda k, idx, base, b, rho, m, mc, *_:
+        (20 + (8 if rho is not None else 0) + (4 if mc is not None else 0)) * k,
+    # idx, ĝ and the old m read, θ read and written, m written; m zeroed at its old support (all
+    # of m when unknown); the weight decay over the segments' other elements (θ read and
+    # written; counted as its own stream: the C loop folds it into the θ walk)
+    "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, ttab, nseg, out, *_:
+        28 * k + (4 * mlen if kz < 0 else 12 * kz)
+        + (0 if out is not None else 8 * _decayed(ttab, nseg, 7, 4)),
     "scape_count_at": lambda mask, idx, k: 9 * k,
     "scape_scatter_params": lambda idx, stab, nseg, v:
-        16 * (_col_sum(stab, nseg, 5, 3) - _col_sum(stab, nseg, 5, 2)),
+        16 * (_col_sum(stab, nseg, 8, 3) - _col_sum(stab, nseg, 8, 2))
+        + 8 * _decayed(stab, nseg, 8, 5),
     # the sample, two passes over |c| (bits written in the second), the candidates
     "scape_topk_bits": lambda c, n, k, smp, ssize, rank, bits, work, cap: 12 * ssize
         + 9 * n + 8 * k,

@@ -333,7 +333,7 @@ double scape_take(i64 k, const i64 *idx, float *src, float *values, int nthreads
 static double ghat_span(const kpass *p, const i64 *row, i64 a, i64 b) {
     (void)row;
     const float nb = -p->beta1, d = p->d;
-    float *bv = p->values, *rho = p->rho;
+    float *bv = p->values, *rho = p->rho, *mc = p->work;
     const float *m = p->mc;
     double sq = 0.0;
     for (i64 j = a; j < b; j++) {
@@ -343,7 +343,9 @@ static double ghat_span(const kpass *p, const i64 *row, i64 a, i64 b) {
             t = t + rho[i];
             rho[i] = 0.0f;
         }
-        float g = m[i] * nb + t;
+        float mi = m[i];
+        if (mc) mc[j] = mi;
+        float g = mi * nb + t;
         g = g / d;
         bv[j] = g;
         sq += (double)g * (double)g;
@@ -353,11 +355,13 @@ static double ghat_span(const kpass *p, const i64 *row, i64 a, i64 b) {
 
 /* ĝ from the averaged payload, in place: with t = b[j] (+ ρ[i], sharded, then ρ[i] = 0),
  *   ĝ[j] = (m[i]·(-β1) + t) / (1-β1),   i = idx[j] - base;
- * returns Σ ĝ² (double, by blocks: the same for any thread count). */
+ * and, when ``mc`` is not NULL, mc[j] = m[i] (the old momentum at the mask, for scape_adams:
+ * read here once, not gathered again). Returns Σ ĝ² (double, by blocks: the same for any
+ * thread count). */
 double scape_ghat(i64 k, const i64 *idx, i64 base, float *b, float *rho, const float *m,
-                  float beta1, float d, int nthreads) {
+                  float *mc, float beta1, float d, int nthreads) {
     kpass p = {.fn = ghat_span, .k = k, .idx = idx, .base = base, .values = b, .rho = rho,
-               .mc = m, .beta1 = beta1, .d = d};
+               .mc = m, .work = mc, .beta1 = beta1, .d = d};
     return kpass_sum(&p, nthreads);
 }
 
@@ -427,37 +431,6 @@ double scape_prepare_sharded(i64 ntensor, const i64 *gtab, const i64 *numels, fl
     return prep_parallel(job, nthreads);
 }
 
-/* scape_adams' first pass: m gathered at the mask, the arithmetic; work[j] = the update */
-static double adams_span(const kpass *p, const i64 *row, i64 a, i64 b) {
-    (void)row;
-    const float beta1 = p->beta1, beta2 = p->beta2, omb1 = p->omb1, omb2 = p->omb2;
-    const float bc1 = p->bc1, sqrt_bc2 = p->sqrt_bc2, eps = p->eps, ns = p->ns, coef = p->coef;
-    const int clip = p->clip, bias = p->bias;
-    const i64 j0 = p->j0;
-    float *ghat = p->values, *work = p->work;       /* from index-list entry j0 */
-    for (i64 j = a; j < b; j++) {
-        float g = ghat[j - j0];
-        if (clip) g = g * coef;
-        float mc = p->m[p->idx[j] - p->base];
-        float prev = bias == 2 ? mc / bc1 : mc;
-        float v = prev * prev;
-        v = v * beta2;
-        float gg = omb2 * g;
-        gg = gg * g;
-        v = v + gg;
-        float mn = mc * beta1;
-        float add = omb1 * g;
-        mn = mn + add;
-        float den = sqrtf(v);
-        if (bias == 1) den = den / sqrt_bc2;
-        den = den + eps;
-        float upd = ns * mn;
-        work[j - j0] = upd / den;
-        ghat[j - j0] = mn;
-    }
-    return 0.0;
-}
-
 /* bytes [b0, b1) · MIN_PER_THREAD of ``bytes`` (``k`` long) zeroed */
 static void zero_blocks(void *arg, i64 b0, i64 b1, double *part) {
     const kpass *p = (const kpass *)arg;
@@ -473,53 +446,109 @@ static void zero_parallel(void *dst, i64 nbytes, int nthreads) {
              zero_blocks, &z, NULL);
 }
 
-/* scape_adams' last pass: θ by segment (rows: pointer, offset, a, b over the index list), and
- * m[i] ← m' */
-static double theta_span(const kpass *p, const i64 *r, i64 a, i64 b) {
-    const i64 j0 = p->j0;
+/* The weight decay's factor of a parameter-table row (a float32's bits in an int64 column) */
+static inline float row_decay(const i64 *r, int col) {
+    uint32_t bits = (uint32_t)r[col];
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* θ[lo, hi) *= dec (the off-mask update, between two mask positions) */
+static inline void decay_run(float *theta, i64 lo, i64 hi, float dec) {
+#pragma omp simd
+    for (i64 i = lo; i < hi; i++) theta[i] = theta[i] * dec;
+}
+
+/* Where the run of off-mask elements before index-list entry ``a`` of row ``r`` starts: the
+ * segment's first element (``r[col]``) for the row's first entry, else one past the previous
+ * entry's element. */
+static inline i64 gap_start(const kpass *p, const i64 *r, i64 a, int col) {
+    return a == r[2] ? r[col] : p->idx[a - 1] - r[1] + 1;
+}
+
+/* Entries per chunk of the decayed walks: the chunk's stretch of θ (~CHUNK/density elements)
+ * is decayed in one vector loop, then its mask positions are updated while it is in cache. */
+#define DECAY_CHUNK 512
+
+/* scape_adams' pass by segment (rows: pointer, offset, a, b, s0, s1, decay): the arithmetic
+ * from ĝ and the old momentum (both contiguous), θ, and m[i] ← m'. Without ``out`` the
+ * segment's other elements [s0, s1) get the weight decay in the same walk: each chunk of
+ * entries first decays θ from its first run's start through its last entry (mask positions
+ * included: θ·dec there is the first half of their update), the row's last chunk its tail too,
+ * so every element is decayed once whatever the blocks and threads. */
+static double adams_span(const kpass *p, const i64 *r, i64 a, i64 b) {
+    const float beta1 = p->beta1, beta2 = p->beta2, omb1 = p->omb1, omb2 = p->omb2;
+    const float bc1 = p->bc1, sqrt_bc2 = p->sqrt_bc2, eps = p->eps, ns = p->ns, coef = p->coef;
+    const float dec = row_decay(r, 6);
+    const int clip = p->clip, bias = p->bias, walk = !p->out && dec != 1.0f;
+    const i64 j0 = p->j0, off = r[1];
+    const float *ghat = p->cvalues, *mcs = p->mc;     /* from index-list entry j0 */
     float *theta = (float *)(intptr_t)r[0];
-    i64 off = r[1];
-    for (i64 j = a; j < b; j++) {
-        float *th = theta + (p->idx[j] - off);
-        float nt = *th + p->work[j - j0];
-        if (p->out) p->out[j - j0] = nt; else *th = nt;
-        p->m[p->idx[j] - p->base] = p->values[j - j0];
+    /* where θ is read at a mask position: decayed already by the walk, or θ·dec here */
+    const float dec_here = walk ? 1.0f : dec;
+    for (i64 c0 = a; c0 < b; c0 += DECAY_CHUNK) {
+        i64 c1 = min64(c0 + DECAY_CHUNK, b);
+        if (walk) {
+            i64 end = c1 == r[3] ? r[5] : p->idx[c1 - 1] - off + 1;
+            decay_run(theta, gap_start(p, r, c0, 4), end, dec);
+        }
+        for (i64 j = c0; j < c1; j++) {
+            float g = ghat[j - j0];
+            if (clip) g = g * coef;
+            float mc = mcs[j - j0];
+            float prev = bias == 2 ? mc / bc1 : mc;
+            float v = prev * prev;
+            v = v * beta2;
+            float gg = omb2 * g;
+            gg = gg * g;
+            v = v + gg;
+            float mn = mc * beta1;
+            float add = omb1 * g;
+            mn = mn + add;
+            float den = sqrtf(v);
+            if (bias == 1) den = den / sqrt_bc2;
+            den = den + eps;
+            float upd = ns * mn;
+            upd = upd / den;
+            i64 i = p->idx[j] - off;
+            float th = theta[i];
+            if (dec_here != 1.0f) th = th * dec_here;
+            float nt = th + upd;                  /* (θ·(1 - lr·wd)) + update: two roundings */
+            if (p->out) p->out[j - j0] = nt; else theta[i] = nt;
+            p->m[p->idx[j] - p->base] = mn;
+        }
     }
     return 0.0;
 }
 
-/* AdamS on the k mask positions (adams_update_'s ops; the weight decay already applied to θ):
+/* AdamS on the k mask positions (adams_update_'s ops), with the weight decay:
  *   ĝ ← coef·ĝ;  prev = m (or m/bc1);  v = β2·prev² + (1-β2)·ĝ²;  m' = β1·m + (1-β1)·ĝ;
- *   θ ← θ + ns·m' / (sqrt(v)/sqrt(bc2) (adam only) + eps), ns = -step;  ĝ[j] ← m' (the new
- *   momentum); omb1, omb2 = 1-β1, 1-β2.
- * θ: parameters by segment (``ttab``: 4 int64 per segment: pointer, flat offset, a, b, over
- * the index list), read and, when ``out`` is NULL, written back; else the new θ goes to
- * out[j - j0] (a sharded owner's contiguous shard). ``ghat`` holds index-list entries
- * [j0, j0 + k); ``m`` is indexed by flat index - ``base``. ``bias``: 0 none, 1 adam, 2 official.
- * The momentum is set here too: m ← 0 on ``zidx`` (or everywhere, kz < 0), m[i] ← m'.
- * ``work``: room for k floats. Passes (each over blocks of the index list, on threads): m
- * gathered and the arithmetic (the update into ``work``), m zeroed, then θ by segment and m. */
-void scape_adams(const i64 *idx, i64 j0, i64 k, i64 base, float *ghat, float *m, i64 mlen,
-                 const i64 *zidx, i64 kz, const i64 *ttab, i64 nseg, float *out, float *work,
-                 float coef, int clip, float beta1, float beta2, float omb1, float omb2,
-                 float bc1, float sqrt_bc2, float eps, float ns, int bias, int nthreads) {
-    kpass p = {.fn = adams_span, .k = k, .idx = idx, .base = base, .j0 = j0, .values = ghat,
-               .m = m, .work = work, .out = out, .coef = coef, .clip = clip, .beta1 = beta1,
-               .beta2 = beta2, .omb1 = omb1, .omb2 = omb2, .bc1 = bc1, .sqrt_bc2 = sqrt_bc2,
-               .eps = eps, .ns = ns, .bias = bias};
-    kpass_run(&p, nthreads);
-    /* the old momentum is read: m <- 0 off the new mask (on m's old support ``zidx``, indices
-     * into m; all of m when its support is unknown, kz < 0), the new values land below */
+ *   θ ← θ·dec + ns·m' / (sqrt(v)/sqrt(bc2) (adam only) + eps), ns = -step;  m[i] ← m';
+ *   omb1, omb2 = 1-β1, 1-β2; m here is ``mc``, the old momentum at the mask (scape_ghat's).
+ * θ: parameters by segment (``ttab``: 7 int64 per segment: pointer, flat offset, a, b over the
+ * index list, the segment's elements [s0, s1) in the tensor, the decay factor dec = 1 - lr·wd
+ * as float32 bits). Without ``out``, θ is written back and every other element of [s0, s1)
+ * gets θ·dec in the same walk: the off-mask update costs no pass of its own. With ``out`` (a
+ * sharded owner's contiguous shard) the new θ goes to out[j - j0] and θ is only read; the
+ * parameter scatter decays the rest. ``ghat`` and ``mc`` hold index-list entries [j0, j0 + k);
+ * ``m`` is indexed by flat index - ``base``. ``bias``: 0 none, 1 adam, 2 official.
+ * The momentum: m ← 0 on ``zidx`` (its old support; everywhere when kz < 0), then m[i] ← m'. */
+void scape_adams(const i64 *idx, i64 j0, i64 k, i64 base, const float *ghat, float *m, i64 mlen,
+                 const i64 *zidx, i64 kz, const i64 *ttab, i64 nseg, float *out,
+                 const float *mc, float coef, int clip, float beta1, float beta2, float omb1,
+                 float omb2, float bc1, float sqrt_bc2, float eps, float ns, int bias,
+                 int nthreads) {
     if (kz < 0) {
         zero_parallel(m, 4 * mlen, nthreads);
     } else {
         kpass z = {.fn = fill_span, .k = kz, .idx = zidx, .src = m};
         kpass_run(&z, nthreads);
     }
-    p.fn = theta_span;
-    p.tab = ttab;
-    p.nseg = nseg;
-    p.width = 4;
+    kpass p = {.fn = adams_span, .k = k, .idx = idx, .base = base, .j0 = j0, .cvalues = ghat,
+               .mc = mc, .m = m, .out = out, .coef = coef, .clip = clip, .beta1 = beta1,
+               .beta2 = beta2, .omb1 = omb1, .omb2 = omb2, .bc1 = bc1, .sqrt_bc2 = sqrt_bc2,
+               .eps = eps, .ns = ns, .bias = bias, .tab = ttab, .nseg = nseg, .width = 7};
     kpass_run(&p, nthreads);
 }
 
@@ -538,18 +567,28 @@ i64 scape_count_at(const u8 *mask, const i64 *idx, i64 k, int nthreads) {
 
 static double scatter_span(const kpass *p, const i64 *r, i64 a, i64 b) {
     float *theta = (float *)(intptr_t)r[0];
+    const float dec = row_decay(r, 7);
     i64 off = r[1], src = r[4] - r[2];
-    for (i64 j = a; j < b; j++) theta[p->idx[j] - off] = p->cvalues[src + j];
+    for (i64 c0 = a; c0 < b; c0 += DECAY_CHUNK) {     /* as adams_span's walk */
+        i64 c1 = min64(c0 + DECAY_CHUNK, b);
+        if (dec != 1.0f) {
+            i64 end = c1 == r[3] ? r[6] : p->idx[c1 - 1] - off + 1;
+            decay_run(theta, gap_start(p, r, c0, 5), end, dec);
+        }
+        for (i64 j = c0; j < c1; j++) theta[p->idx[j] - off] = p->cvalues[src + j];
+    }
     return 0.0;
 }
 
-/* θ ← gathered values at the mask positions. ``stab``: 5 int64 per segment: pointer, flat
- * offset, a, b, src (where the segment's values start in ``values``). */
+/* θ ← gathered values at the mask positions, θ·dec at the segment's other elements (the
+ * sharded step's weight decay, in the same walk). ``stab``: 8 int64 per segment: pointer, flat
+ * offset, a, b, src (where the segment's values start in ``values``), the segment's elements
+ * [s0, s1) in the tensor, dec = 1 - lr·wd as float32 bits. */
 void scape_scatter_params(const i64 *idx, const i64 *stab, i64 nseg, const float *values,
                           int nthreads) {
     i64 n = 0;
-    for (i64 q = 0; q < nseg; q++) n = max64(n, stab[5 * q + 3]);
-    kpass p = {.fn = scatter_span, .k = n, .idx = idx, .tab = stab, .nseg = nseg, .width = 5,
+    for (i64 q = 0; q < nseg; q++) n = max64(n, stab[8 * q + 3]);
+    kpass p = {.fn = scatter_span, .k = n, .idx = idx, .tab = stab, .nseg = nseg, .width = 8,
                .cvalues = values};
     kpass_run(&p, nthreads);
 }
