@@ -200,8 +200,10 @@ def test_device_op_counter_counts_the_c_loops_bytes():
     train_step(s, w, 1, 0)
     with DeviceOpCounter() as ops:
         train_step(s, w, 2, 0)
+    # one flat gradient and M_t's decoded indices: the prepare gathers the payload on its way
     assert {"native::scape_adams", "native::scape_mask_decode",
-            "native::scape_prepare_replicated"} <= set(ops.ops)
+            "native::scape_prepare_gather"} <= set(ops.ops)
+    assert "native::scape_gather" not in ops.ops
     assert not native.counters           # the counter unregisters itself
 
 

@@ -294,6 +294,32 @@ def test_replicated_prepare_fix_up_is_the_same_on_any_number_of_threads():
     assert sq == pytest.approx(float(want.double().square().sum()), rel=1e-12)
 
 
+def test_prepare_with_the_payload_gather_is_the_same_on_any_number_of_threads():
+    """The prepare and the payload gather in one walk of one flat gradient: e, the payload and
+    Σ c² off M_t bit for bit on any thread count, and equal to the two passes' torch ops."""
+    g = torch.Generator().manual_seed(19)
+    grad, m = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    pidx, idx = _index_list(20), _index_list(21, k=K - 4_321)     # M_{t-1}'s, M_t's
+    e0 = torch.randn(N, generator=g)
+    e0[pidx] = 7.0            # stale (the deferred fold): overwritten, never read
+
+    def run():
+        e, payload = e0.clone(), torch.empty(idx.numel())
+        sq = LIB.scape_prepare_gather(N, native.ptr(grad), native.ptr(e), native.ptr(m),
+                                      native.ptr(pidx), pidx.numel(), native.ptr(idx),
+                                      idx.numel(), native.ptr(payload), 0.9, 0.1)
+        return e, payload, sq
+
+    e, payload, sq = _same_on_every_count(run)
+    want = e0 + grad * 0.1
+    want[pidx] = m[pidx] * 0.9 + grad[pidx] * 0.1
+    assert torch.equal(e, want)
+    assert torch.equal(payload, want[idx])
+    off = torch.ones(N, dtype=torch.bool)
+    off[idx] = False
+    assert sq == pytest.approx(float(want[off].double().square().sum()), rel=1e-12)
+
+
 def test_traffic_takes_each_loops_arguments():
     """``native._TRAFFIC`` counts bytes from the arguments by position: each entry takes the
     arguments a caller passes (the loop's list less the thread count, which the wrapper adds)."""

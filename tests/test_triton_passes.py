@@ -132,6 +132,8 @@ def test_triton_passes_read_nothing_back_to_the_host(sharded):
         for syncs, calls in steps[1:]:
             assert syncs == {}
             assert calls.get("triton::scape_adams", 0) >= 1     # the passes ran, and were counted
+            if not sharded:     # one flat gradient, the decoded indices: one prepare-gather
+                assert calls.get("triton::scape_prepare_gather", 0) == 1, calls
 
 
 @pytest.mark.slow

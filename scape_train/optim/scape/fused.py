@@ -358,6 +358,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._zero_pending = False
         self._c_sq: float | None = None     # Σ c² from the C prepare
         self._cut = None                    # Σ_M c² from the C / Triton payload gather
+        self._payload = None                # (M_t's indices, c there): gathered by the prepare
 
     def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
         """``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
@@ -370,10 +371,19 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         # step's deferred fold (e[M] = 0, finish_step) is skipped, not applied
         e = (self.residual.tensor() if self._pidx is None
              else self.residual.overwriting(self._pidx))
-        self._c_sq = None
+        self._c_sq, self._payload = None, None
         lib = self._passes(g)
-        if self._pidx is None and lib is not None:   # the general line below, in C
-            rows, gtab, numels = self._grad_table(g)
+        rows, gtab, numels = self._grad_table(g) if lib is not None else (0, None, None)
+        idx = self.given_idx                # M_t's indices, when the decode gave them
+        if self._pidx is not None and rows == 1 and idx is not None:
+            # the two lines below and the payload gather in one walk (one flat gradient)
+            payload = torch.empty(idx.numel(), dtype=torch.float32, device=e.device)
+            self._c_sq = lib.scape_prepare_gather(
+                self.layout.total, g[0].data_ptr(), native.ptr(e), native.ptr(self.m),
+                native.ptr(self._pidx), self._pidx.numel(), native.ptr(idx), idx.numel(),
+                native.ptr(payload), beta1, 1.0 - beta1)   # Σ c² off M_t, for the metric
+            self._cut, self._payload = 0.0, (idx, payload)
+        elif self._pidx is None and lib is not None:   # the general line below, in C
             self._c_sq = lib.scape_prepare_replicated_general(
                 rows, native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
                 beta1, 1.0 - beta1)
@@ -383,7 +393,6 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             torch._foreach_add_(self._views(e), w)
         elif lib is not None:           # the two lines below, in C
             segs = self._prev_local.segs
-            rows, gtab, numels = self._grad_table(g)
             ptab = native.table([[g[t].data_ptr(), self.layout.offsets[t], a, b]
                                  for t, a, b in segs], 4)
             self._c_sq = lib.scape_prepare_replicated(
@@ -444,9 +453,13 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         """:meth:`update` with its O(k) passes in C: gather, ĝ and its norm, AdamS at the mask
         positions, the momentum; the all-reduce and the weight decay as on the torch path."""
         cfg, c, m = self.cfg, self._c, self.m
-        payload = torch.empty(k, dtype=torch.float32, device=c.device)
-        self._cut = lib.scape_gather(k, native.ptr(idx), 0, native.ptr(c),
-                                     native.ptr(payload))    # and Σ_M c², for the metric
+        gathered, self._payload = self._payload, None
+        if gathered is not None and gathered[0] is idx:      # by the prepare's walk
+            payload = gathered[1]
+        else:
+            payload = torch.empty(k, dtype=torch.float32, device=c.device)
+            self._cut = lib.scape_gather(k, native.ptr(idx), 0, native.ptr(c),
+                                         native.ptr(payload))    # and Σ_M c², for the metric
         _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
                     during_payload)
         mc = torch.empty(k, dtype=torch.float32, device=c.device)    # the old m at the mask

@@ -139,13 +139,14 @@ class ScapeStrategy(OptimizerStrategy):
         g = self._grads() if fast else self._flat_grads()
         prev = self.mask_cur
         mask = self.next_mask()              # the one wait: M_t, gathered during fwd/bwd
+        prev_idx = getattr(self.engine, "_pidx", None)   # fused: M_{t-1}'s indices
+        if hasattr(self.engine, "given_idx"):   # fused: M_t's, when the decode has them (the
+            # prepare gathers the payload on its way, the update indexes by them)
+            self.engine.given_idx = None if self._pending is None else self._pending.indices
         stat = self.engine.prepare(g, mask)
         if mask is None:                     # first step: build M_1 synchronously
             mask = self._first_mask(stat, self.density(t))
             self.engine.finish_residual(mask)
-        prev_idx = getattr(self.engine, "_pidx", None)   # fused: M_{t-1}'s indices
-        if hasattr(self.engine, "given_idx"):             # fused: M_t's, when the decode has them
-            self.engine.given_idx = None if self._pending is None else self._pending.indices
         # M_{t+1}'s top-k reads the candidate only, not the averaged payload: the fused engines
         # run it while the payload's collective is in flight; the others leave it to here
         d_next = self.density(t + 1)

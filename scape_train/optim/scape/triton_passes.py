@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import native
 from .counted_launch import run
 from .native import ONE_BITS
 
@@ -427,6 +428,15 @@ class TritonPasses:
                     ALIGNED=_aligned(i), BLOCK=K_BLOCK, **_OPTS)
             self._over_k(kp, launch, sums=False)
         return self._add_scaled_grads(ntensor, gtab, numels, e, s, lo, hi, rho, cand)
+
+    def scape_prepare_gather(self, total, g, e, m, pidx, kp, idx, k, payload, beta1, s):
+        """The prepare with m's support known, then the payload gather: two launches in a row
+        here (the C loop walks once); returns Σ c² off M_t."""
+        gtab, numels = native.table([[g, 0]], 2), torch.tensor([total], dtype=torch.int64)
+        ptab = native.table([[g, 0, 0, kp]], 4)
+        sq = self.scape_prepare_replicated(1, native.ptr(gtab), native.ptr(numels), e, m, pidx,
+                                           kp, native.ptr(ptab), 1 if kp else 0, beta1, s)
+        return sq - self.scape_gather(k, idx, 0, e, payload)
 
     def scape_gather(self, k, idx, base, src, values):
         return self._gather(k, idx, base, src, values, False)

@@ -47,6 +47,7 @@ _SIGNATURES = {
     "scape_prepare_replicated_general": (_D, [_I, _P, _P, _P, _P, _F, _F, ctypes.c_int]),
     "scape_prepare_sharded": (_D, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _F, _F,
                                    ctypes.c_int]),
+    "scape_prepare_gather": (_D, [_I, _P, _P, _P, _P, _I, _P, _I, _P, _F, _F, ctypes.c_int]),
     "scape_gather": (_D, [_I, _P, _I, _P, _P, ctypes.c_int]),
     "scape_take": (_D, [_I, _P, _P, _P, ctypes.c_int]),
     "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _P, _F, _F, ctypes.c_int]),
@@ -93,6 +94,10 @@ _TRAFFIC = {
     # ... and on the own range ρ read, the candidate written; at m's support idx, m, ρ
     "scape_prepare_sharded": lambda nt, gtab, numels, e, rho, m, pidx, kp, lo, hi, *_:
         12 * sum(_i64s(numels, nt)) + 8 * (hi - lo) + 16 * kp,
+    # as scape_prepare_replicated then scape_gather (the C loop reads g and e at the mask
+    # positions from cache, in the same walk)
+    "scape_prepare_gather": lambda total, g, e, m, pidx, kp, idx, k, *_:
+        12 * total + 24 * kp + 16 * k,
     "scape_gather": lambda k, *_: 16 * k,
     "scape_take": lambda k, *_: 20 * k,     # idx, src read, values and src written
     # idx, m, the payload read, ĝ written (and ρ read and zeroed; the old m at the mask written)

@@ -397,6 +397,75 @@ double scape_prepare_replicated(i64 ntensor, const i64 *gtab, const i64 *numels,
     return sq + kpass_sum(&p, nthreads);
 }
 
+/* The replicated prepare and the payload gather in one walk of the flat space. */
+typedef struct {
+    const float *g, *m;
+    float *e, *payload;
+    const i64 *pidx, *idx;
+    i64 kp, k, total;
+    float beta1, s;
+} pg_job;
+
+#define PG_CHUNK 4096   /* flat elements a chunk holds in cache while its entries are done */
+
+/* the first position of the ascending ``a`` (``n`` long) holding ``x`` or more */
+static i64 lower_bound(const i64 *a, i64 n, i64 x) {
+    i64 lo = 0, hi = n;
+    while (lo < hi) {
+        i64 mid = lo + (hi - lo) / 2;
+        if (a[mid] < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+static void pg_blocks(void *arg, i64 b0, i64 b1, double *part) {
+    const pg_job *j = (const pg_job *)arg;
+    const float s = j->s, beta1 = j->beta1, *g = j->g, *m = j->m;
+    float *e = j->e;
+    for (i64 blk = b0; blk < b1; blk++) {
+        i64 lo = blk * SUM_BLOCK, hi = min64(lo + SUM_BLOCK, j->total);
+        i64 p = lower_bound(j->pidx, j->kp, lo), q = lower_bound(j->idx, j->k, lo);
+        double sq = 0.0;
+        for (i64 c0 = lo; c0 < hi; c0 += PG_CHUNK) {
+            i64 c1 = min64(c0 + PG_CHUNK, hi);
+#pragma omp simd
+            for (i64 i = c0; i < c1; i++) e[i] = e[i] + s * g[i];
+            for (; p < j->kp && j->pidx[p] < c1; p++) {    /* m's support: e_{t-1} = 0 there */
+                i64 i = j->pidx[p];
+                float x = m[i] * beta1;
+                float y = s * g[i];
+                e[i] = x + y;
+            }
+            double all = 0.0, cut = 0.0;
+#pragma omp simd reduction(+ : all)
+            for (i64 i = c0; i < c1; i++) all += (double)e[i] * (double)e[i];
+            for (; q < j->k && j->idx[q] < c1; q++) {      /* the payload: c at M_t */
+                float v = e[j->idx[q]];
+                j->payload[q] = v;
+                cut += (double)v * (double)v;
+            }
+            sq += all - cut;
+        }
+        part[blk - b0] = sq;
+    }
+}
+
+/* Replicated prepare with m's support known, and the payload gather, in one walk (one flat
+ * gradient ``g``, ``total`` long): per chunk of the flat space
+ *   e += round(s·g);  e[pidx] = β1·m[pidx] + s·g[pidx]   (e_{t-1} = 0 there);
+ *   payload[q] = e[idx[q]] at M_t's indices ``idx`` (``k``, ascending),
+ * the chunk's g and e read once from memory for all three (scape_prepare_replicated then
+ * scape_gather read them again at the mask positions). Returns Σ c² off M_t, the residual
+ * norm's square (per block of SUM_BLOCK elements, the blocks in order: the same on any number
+ * of threads). */
+double scape_prepare_gather(i64 total, const float *g, float *e, const float *m,
+                            const i64 *pidx, i64 kp, const i64 *idx, i64 k, float *payload,
+                            float beta1, float s, int nthreads) {
+    pg_job job = {.g = g, .m = m, .e = e, .payload = payload, .pidx = pidx, .idx = idx,
+                  .kp = kp, .k = k, .total = total, .beta1 = beta1, .s = s};
+    return blocked_sum(nblocks_of(total), full_threads(nthreads, total), pg_blocks, &job);
+}
+
 /* Replicated prepare, m's support unknown (the first step, after a load): the GENERAL pass */
 double scape_prepare_replicated_general(i64 ntensor, const i64 *gtab, const i64 *numels,
                                         float *e, const float *m, float beta1, float s,
