@@ -69,7 +69,10 @@ def variants() -> list[tuple]:
             out.append((tp._ghat_kernel, dict(k=A, idx_addr=A, base=A, b_addr=A, rho_addr=A,
                                               m_addr=A, mc_addr=A, parts=F64, nb="fp32",
                                               d="fp32"),
-                        {"HAS_RHO": has_rho, "HAS_MC": True, **kba}, *want))
+                        {"HAS_RHO": has_rho, "HAS_M": True, "HAS_MC": True, **kba}, *want))
+        out.append((tp._ghat_kernel, dict(k=A, idx_addr=A, base=A, b_addr=A, rho_addr=A,
+                                          m_addr=A, mc_addr=A, parts=F64, nb="fp32", d="fp32"),
+                    {"HAS_RHO": False, "HAS_M": False, "HAS_MC": True, **kba}, *want))
         out.append((tp._fill_kernel, dict(dst_addr=A, idx_addr=A, k=A, value="fp32",
                                           parts=F64), kba, *want))
         out.append((tp._zero_kernel, dict(dst_addr=A, n=A), fba))   # stores only

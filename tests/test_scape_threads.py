@@ -155,9 +155,15 @@ def test_gather_take_ghat_count_at_are_the_same_on_any_number_of_threads():
         sq_h2 = LIB.scape_ghat(K - 7, native.ptr(idx[7:]), 5, native.ptr(b2), None,
                                native.ptr(m), None, 0.9, 0.1)
         n = LIB.scape_count_at(native.ptr(mask.view(torch.uint8)), native.ptr(idx), K)
-        return vals, sq_g, src, took, sq_t, b, rho, mc, sq_h, b2, sq_h2, n
+        b3, m_at = b0.clone(), m[idx]            # the old m read from where it was gathered
+        sq_h3 = LIB.scape_ghat(K, None, 0, native.ptr(b3), None, None, native.ptr(m_at), 0.9,
+                               0.1)
+        return vals, sq_g, src, took, sq_t, b, rho, mc, sq_h, b2, sq_h2, n, b3, sq_h3
 
-    vals, sq_g, src, took, sq_t, b, rho, mc, sq_h, b2, sq_h2, n = _same_on_every_count(run)
+    (vals, sq_g, src, took, sq_t, b, rho, mc, sq_h, b2, sq_h2, n, b3,
+     sq_h3) = _same_on_every_count(run)
+    assert torch.equal(b3, (m[idx] * -0.9 + b0) / torch.tensor(0.1))
+    assert sq_h3 == pytest.approx(float(b3.double().square().sum()), rel=1e-13)
     assert torch.equal(vals, src0[idx]) and torch.equal(took, vals)
     want_src = src0.clone()
     want_src[idx] = 0.0
@@ -295,26 +301,36 @@ def test_replicated_prepare_fix_up_is_the_same_on_any_number_of_threads():
 
 
 def test_prepare_with_the_payload_gather_is_the_same_on_any_number_of_threads():
-    """The prepare and the payload gather in one walk of one flat gradient: e, the payload and
-    Σ c² off M_t bit for bit on any thread count, and equal to the two passes' torch ops."""
+    """The prepare, the payload gather and m's in one walk of one flat gradient: e, m, the
+    payload, the old m at M_t and Σ c² off M_t bit for bit on any thread count, and equal to
+    the separate passes' torch ops."""
     g = torch.Generator().manual_seed(19)
     grad, m = torch.randn(N, generator=g), torch.randn(N, generator=g)
     pidx, idx = _index_list(20), _index_list(21, k=K - 4_321)     # M_{t-1}'s, M_t's
     e0 = torch.randn(N, generator=g)
     e0[pidx] = 7.0            # stale (the deferred fold): overwritten, never read
 
-    def run():
-        e, payload = e0.clone(), torch.empty(idx.numel())
-        sq = LIB.scape_prepare_gather(N, native.ptr(grad), native.ptr(e), native.ptr(m),
-                                      native.ptr(pidx), pidx.numel(), native.ptr(idx),
-                                      idx.numel(), native.ptr(payload), 0.9, 0.1)
-        return e, payload, sq
+    m[torch.randperm(N, generator=g)[:N // 2]] = 0.0    # m is nonzero on its support only:
+    m[pidx] = torch.randn(pidx.numel(), generator=g)     # here on more, to see what is zeroed
 
-    e, payload, sq = _same_on_every_count(run)
+    def run():
+        e, mm = e0.clone(), m.clone()
+        payload, mc = torch.empty(idx.numel()), torch.empty(idx.numel())
+        sq = LIB.scape_prepare_gather(N, native.ptr(grad), native.ptr(e), native.ptr(mm),
+                                      native.ptr(pidx), pidx.numel(), native.ptr(idx),
+                                      idx.numel(), native.ptr(payload), native.ptr(mc), 0.9,
+                                      0.1)
+        return e, mm, payload, mc, sq
+
+    e, mm, payload, mc, sq = _same_on_every_count(run)
     want = e0 + grad * 0.1
     want[pidx] = m[pidx] * 0.9 + grad[pidx] * 0.1
     assert torch.equal(e, want)
     assert torch.equal(payload, want[idx])
+    assert torch.equal(mc, m[idx])                 # the old momentum at M_t
+    want_m = m.clone()
+    want_m[pidx] = 0.0                             # and zeroed on its old support
+    assert torch.equal(mm, want_m)
     off = torch.ones(N, dtype=torch.bool)
     off[idx] = False
     assert sq == pytest.approx(float(want[off].double().square().sum()), rel=1e-12)

@@ -376,13 +376,15 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         rows, gtab, numels = self._grad_table(g) if lib is not None else (0, None, None)
         idx = self.given_idx                # M_t's indices, when the decode gave them
         if self._pidx is not None and rows == 1 and idx is not None:
-            # the two lines below and the payload gather in one walk (one flat gradient)
-            payload = torch.empty(idx.numel(), dtype=torch.float32, device=e.device)
+            # the two lines below, the payload gather and m's (m then zeroed on its support:
+            # the update sets it at M_t from mc) in one walk of one flat gradient
+            payload, mc = (torch.empty(idx.numel(), dtype=torch.float32, device=e.device)
+                           for _ in range(2))
             self._c_sq = lib.scape_prepare_gather(
                 self.layout.total, g[0].data_ptr(), native.ptr(e), native.ptr(self.m),
                 native.ptr(self._pidx), self._pidx.numel(), native.ptr(idx), idx.numel(),
-                native.ptr(payload), beta1, 1.0 - beta1)   # Σ c² off M_t, for the metric
-            self._cut, self._payload = 0.0, (idx, payload)
+                native.ptr(payload), native.ptr(mc), beta1, 1.0 - beta1)   # Σ c² off M_t
+            self._cut, self._payload = 0.0, (idx, payload, mc)
         elif self._pidx is None and lib is not None:   # the general line below, in C
             self._c_sq = lib.scape_prepare_replicated_general(
                 rows, native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
@@ -454,21 +456,24 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         positions, the momentum; the all-reduce and the weight decay as on the torch path."""
         cfg, c, m = self.cfg, self._c, self.m
         gathered, self._payload = self._payload, None
-        if gathered is not None and gathered[0] is idx:      # by the prepare's walk
-            payload = gathered[1]
+        if gathered is not None and gathered[0] is idx:      # by the prepare's walk, which
+            _, payload, mc = gathered                        # zeroed m on its old support
+            m_at, old_support = None, m.new_zeros(0, dtype=torch.int64)
         else:
-            payload = torch.empty(k, dtype=torch.float32, device=c.device)
+            payload, mc = (torch.empty(k, dtype=torch.float32, device=c.device)
+                           for _ in range(2))
             self._cut = lib.scape_gather(k, native.ptr(idx), 0, native.ptr(c),
                                          native.ptr(payload))    # and Σ_M c², for the metric
+            m_at, old_support = m, self._pidx                # ĝ's pass gathers m into mc
         _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
                     during_payload)
-        mc = torch.empty(k, dtype=torch.float32, device=c.device)    # the old m at the mask
-        sq = lib.scape_ghat(k, native.ptr(idx), 0, native.ptr(payload), None, native.ptr(m),
-                            native.ptr(mc), cfg.betas[0], 1.0 - cfg.betas[0])  # payload: ĝ
+        sq = lib.scape_ghat(k, native.ptr(idx), 0, native.ptr(payload), None,
+                            native.ptr(m_at), native.ptr(mc), cfg.betas[0],
+                            1.0 - cfg.betas[0])                  # payload becomes ĝ
         norm = _root(sq).float()
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         mi = self._index(idx, counts)
-        self._passes_adams(lib, idx, 0, k, 0, payload, mc, m, self._pidx,
+        self._passes_adams(lib, idx, 0, k, 0, payload, mc, m, old_support,
                            self._param_table(mi, 0, k, lr), None, coef, lr, step)  # and m
         self._decay_empty(mi, lr)
         self._pidx = idx

@@ -178,21 +178,26 @@ def _gather_kernel(k, idx_addr, base, src_addr, out_addr, parts, TAKE: tl.conste
 
 @triton.jit
 def _ghat_kernel(k, idx_addr, base, b_addr, rho_addr, m_addr, mc_addr, parts, nb, d,
-                 HAS_RHO: tl.constexpr, HAS_MC: tl.constexpr, ALIGNED: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """ĝ = (m·(-β1) + b (+ ρ, then ρ ← 0)) / (1-β1) in place of b (HAS_MC: and mc[j] ← m,
-    the old momentum at the mask, for the AdamS pass); Σ ĝ²."""
+                 HAS_RHO: tl.constexpr, HAS_M: tl.constexpr, HAS_MC: tl.constexpr,
+                 ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """ĝ = (m·(-β1) + b (+ ρ, then ρ ← 0)) / (1-β1) in place of b; m read at the mask and
+    (HAS_MC) stored to mc[j], the old momentum at the mask, for the AdamS pass; or (not HAS_M)
+    read from mc, where it was gathered; Σ ĝ²."""
     pid = tl.program_id(0)
     j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = j < k
-    i = tl.load(_lane(_i64(idx_addr), j, ALIGNED), mask=keep, other=0) - base
     t = tl.load(_lane(_f32(b_addr), j, ALIGNED), mask=keep, other=0.0)
+    if HAS_RHO or HAS_M:
+        i = tl.load(_lane(_i64(idx_addr), j, ALIGNED), mask=keep, other=0) - base
     if HAS_RHO:
         t = t + tl.load(_f32(rho_addr) + i, mask=keep, other=0.0)
         tl.store(_f32(rho_addr) + i, tl.zeros_like(t), mask=keep)
-    m = tl.load(_f32(m_addr) + i, mask=keep, other=0.0)
-    if HAS_MC:
-        tl.store(_lane(_f32(mc_addr), j, ALIGNED), m, mask=keep)
+    if HAS_M:
+        m = tl.load(_f32(m_addr) + i, mask=keep, other=0.0)
+        if HAS_MC:
+            tl.store(_lane(_f32(mc_addr), j, ALIGNED), m, mask=keep)
+    else:
+        m = tl.load(_lane(_f32(mc_addr), j, ALIGNED), mask=keep, other=0.0)
     g = tl.div_rn(m * nb + t, d)
     tl.store(_lane(_f32(b_addr), j, ALIGNED), g, mask=keep)
     tl.store(parts + pid, _sq_sum(g, keep))
@@ -429,14 +434,19 @@ class TritonPasses:
             self._over_k(kp, launch, sums=False)
         return self._add_scaled_grads(ntensor, gtab, numels, e, s, lo, hi, rho, cand)
 
-    def scape_prepare_gather(self, total, g, e, m, pidx, kp, idx, k, payload, beta1, s):
-        """The prepare with m's support known, then the payload gather: two launches in a row
-        here (the C loop walks once); returns Σ c² off M_t."""
+    def scape_prepare_gather(self, total, g, e, m, pidx, kp, idx, k, payload, mc, beta1, s):
+        """The prepare with m's support known, the payload and m gathered at M_t, m zeroed on
+        its old support: launches in a row here (the C loop walks once); returns Σ c² off
+        M_t."""
         gtab, numels = native.table([[g, 0]], 2), torch.tensor([total], dtype=torch.int64)
         ptab = native.table([[g, 0, 0, kp]], 4)
         sq = self.scape_prepare_replicated(1, native.ptr(gtab), native.ptr(numels), e, m, pidx,
                                            kp, native.ptr(ptab), 1 if kp else 0, beta1, s)
-        return sq - self.scape_gather(k, idx, 0, e, payload)
+        sq = sq - self.scape_gather(k, idx, 0, e, payload)
+        self._gather(k, idx, 0, m, mc, False)
+        if kp:
+            self._fill(m, pidx, kp, 0.0)
+        return sq
 
     def scape_gather(self, k, idx, base, src, values):
         return self._gather(k, idx, base, src, values, False)
@@ -468,10 +478,10 @@ class TritonPasses:
     def scape_ghat(self, k, idx, base, b, rho, m, mc, beta1, d):
         def launch(a, n, parts):
             i, bb, mm = idx + 8 * a, b + 4 * a, (mc or 0) + 4 * a
-            run(_ghat_kernel, (triton.cdiv(n, K_BLOCK),), n, i, base, bb, rho or 0, m,
+            run(_ghat_kernel, (triton.cdiv(n, K_BLOCK),), n, i, base, bb, rho or 0, m or 0,
                 mm if mc else 0, parts, -beta1, d, HAS_RHO=rho is not None,
-                HAS_MC=mc is not None, ALIGNED=_aligned(i, bb, mm if mc else 0),
-                BLOCK=K_BLOCK, **_OPTS)
+                HAS_M=m is not None, HAS_MC=mc is not None,
+                ALIGNED=_aligned(i, bb, mm if mc else 0), BLOCK=K_BLOCK, **_OPTS)
         return self._over_k(k, launch)
 
     def _decay(self, tab, nseg, width, col) -> None:

@@ -47,7 +47,8 @@ _SIGNATURES = {
     "scape_prepare_replicated_general": (_D, [_I, _P, _P, _P, _P, _F, _F, ctypes.c_int]),
     "scape_prepare_sharded": (_D, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _F, _F,
                                    ctypes.c_int]),
-    "scape_prepare_gather": (_D, [_I, _P, _P, _P, _P, _I, _P, _I, _P, _F, _F, ctypes.c_int]),
+    "scape_prepare_gather": (_D, [_I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _F, _F,
+                                  ctypes.c_int]),
     "scape_gather": (_D, [_I, _P, _I, _P, _P, ctypes.c_int]),
     "scape_take": (_D, [_I, _P, _P, _P, ctypes.c_int]),
     "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _P, _F, _F, ctypes.c_int]),
@@ -94,15 +95,17 @@ _TRAFFIC = {
     # ... and on the own range ρ read, the candidate written; at m's support idx, m, ρ
     "scape_prepare_sharded": lambda nt, gtab, numels, e, rho, m, pidx, kp, lo, hi, *_:
         12 * sum(_i64s(numels, nt)) + 8 * (hi - lo) + 16 * kp,
-    # as scape_prepare_replicated then scape_gather (the C loop reads g and e at the mask
-    # positions from cache, in the same walk)
+    # as the separate passes: the prepare, the payload and m gathered at M_t, m zeroed at its
+    # old support (the C loop reads g, e and m at the mask positions from cache, in one walk)
     "scape_prepare_gather": lambda total, g, e, m, pidx, kp, idx, k, *_:
-        12 * total + 24 * kp + 16 * k,
+        12 * total + 24 * kp + 24 * k + 12 * kp,
     "scape_gather": lambda k, *_: 16 * k,
     "scape_take": lambda k, *_: 20 * k,     # idx, src read, values and src written
-    # idx, m, the payload read, ĝ written (and ρ read and zeroed; the old m at the mask written)
-    "scape_ghat": lambda k, idx, base, b, rho, m, mc, *_:
-        (20 + (8 if rho is not None else 0) + (4 if mc is not None else 0)) * k,
+    # the payload read, ĝ written; idx and m read (or the old m at the mask read from mc,
+    # where it was gathered); ρ read and zeroed; the old m at the mask written
+    "scape_ghat": lambda k, idx, base, b, rho, m, mc, *_: k * (
+        8 + (8 if m is not None or rho is not None else 0) + (4 if m is not None else 0)
+        + (8 if rho is not None else 0) + (4 if mc is not None else 0)),
     # idx, ĝ and the old m read, θ read and written, m written; m zeroed at its old support (all
     # of m when unknown); the weight decay over the segments' other elements (θ read and
     # written; counted as its own stream: the C loop folds it into the θ walk)

@@ -337,14 +337,19 @@ static double ghat_span(const kpass *p, const i64 *row, i64 a, i64 b) {
     const float *m = p->mc;
     double sq = 0.0;
     for (i64 j = a; j < b; j++) {
-        i64 i = p->idx[j] - p->base;
         float t = bv[j];
         if (rho) {
+            i64 i = p->idx[j] - p->base;
             t = t + rho[i];
             rho[i] = 0.0f;
         }
-        float mi = m[i];
-        if (mc) mc[j] = mi;
+        float mi;
+        if (m) {
+            mi = m[p->idx[j] - p->base];
+            if (mc) mc[j] = mi;
+        } else {
+            mi = mc[j];
+        }
         float g = mi * nb + t;
         g = g / d;
         bv[j] = g;
@@ -356,7 +361,8 @@ static double ghat_span(const kpass *p, const i64 *row, i64 a, i64 b) {
 /* ĝ from the averaged payload, in place: with t = b[j] (+ ρ[i], sharded, then ρ[i] = 0),
  *   ĝ[j] = (m[i]·(-β1) + t) / (1-β1),   i = idx[j] - base;
  * and, when ``mc`` is not NULL, mc[j] = m[i] (the old momentum at the mask, for scape_adams:
- * read here once, not gathered again). Returns Σ ĝ² (double, by blocks: the same for any
+ * read here once, not gathered again); with ``m`` NULL the old momentum is read from ``mc``
+ * (scape_prepare_gather's), and ``idx`` only for ρ. Returns Σ ĝ² (double, by blocks: the same for any
  * thread count). */
 double scape_ghat(i64 k, const i64 *idx, i64 base, float *b, float *rho, const float *m,
                   float *mc, float beta1, float d, int nthreads) {
@@ -399,8 +405,8 @@ double scape_prepare_replicated(i64 ntensor, const i64 *gtab, const i64 *numels,
 
 /* The replicated prepare and the payload gather in one walk of the flat space. */
 typedef struct {
-    const float *g, *m;
-    float *e, *payload;
+    const float *g;
+    float *m, *e, *payload, *mc;
     const i64 *pidx, *idx;
     i64 kp, k, total;
     float beta1, s;
@@ -420,8 +426,8 @@ static i64 lower_bound(const i64 *a, i64 n, i64 x) {
 
 static void pg_blocks(void *arg, i64 b0, i64 b1, double *part) {
     const pg_job *j = (const pg_job *)arg;
-    const float s = j->s, beta1 = j->beta1, *g = j->g, *m = j->m;
-    float *e = j->e;
+    const float s = j->s, beta1 = j->beta1, *g = j->g;
+    float *e = j->e, *m = j->m;
     for (i64 blk = b0; blk < b1; blk++) {
         i64 lo = blk * SUM_BLOCK, hi = min64(lo + SUM_BLOCK, j->total);
         i64 p = lower_bound(j->pidx, j->kp, lo), q = lower_bound(j->idx, j->k, lo);
@@ -430,6 +436,7 @@ static void pg_blocks(void *arg, i64 b0, i64 b1, double *part) {
             i64 c1 = min64(c0 + PG_CHUNK, hi);
 #pragma omp simd
             for (i64 i = c0; i < c1; i++) e[i] = e[i] + s * g[i];
+            i64 p0 = p;
             for (; p < j->kp && j->pidx[p] < c1; p++) {    /* m's support: e_{t-1} = 0 there */
                 i64 i = j->pidx[p];
                 float x = m[i] * beta1;
@@ -440,29 +447,32 @@ static void pg_blocks(void *arg, i64 b0, i64 b1, double *part) {
 #pragma omp simd reduction(+ : all)
             for (i64 i = c0; i < c1; i++) all += (double)e[i] * (double)e[i];
             for (; q < j->k && j->idx[q] < c1; q++) {      /* the payload: c at M_t */
-                float v = e[j->idx[q]];
+                i64 i = j->idx[q];
+                float v = e[i];
                 j->payload[q] = v;
+                j->mc[q] = m[i];                           /* the old m at M_t, for ĝ, AdamS */
                 cut += (double)v * (double)v;
             }
+            for (i64 r = p0; r < p; r++) m[j->pidx[r]] = 0.0f;   /* read for the last time */
             sq += all - cut;
         }
         part[blk - b0] = sq;
     }
 }
 
-/* Replicated prepare with m's support known, and the payload gather, in one walk (one flat
- * gradient ``g``, ``total`` long): per chunk of the flat space
+/* Replicated prepare with m's support known, the payload gather and m's, in one walk (one
+ * flat gradient ``g``, ``total`` long): per chunk of the flat space
  *   e += round(s·g);  e[pidx] = β1·m[pidx] + s·g[pidx]   (e_{t-1} = 0 there);
- *   payload[q] = e[idx[q]] at M_t's indices ``idx`` (``k``, ascending),
- * the chunk's g and e read once from memory for all three (scape_prepare_replicated then
- * scape_gather read them again at the mask positions). Returns Σ c² off M_t, the residual
- * norm's square (per block of SUM_BLOCK elements, the blocks in order: the same on any number
- * of threads). */
-double scape_prepare_gather(i64 total, const float *g, float *e, const float *m,
-                            const i64 *pidx, i64 kp, const i64 *idx, i64 k, float *payload,
+ *   payload[q] = e[idx[q]],  mc[q] = m[idx[q]]   at M_t's indices ``idx`` (``k``, ascending);
+ *   m[pidx] = 0   (m's old support: the update sets m at M_t from mc),
+ * the chunk's g, e and m read once from memory for all of it (the separate passes read them
+ * again at the mask positions). Returns Σ c² off M_t, the residual norm's square (per block of
+ * SUM_BLOCK elements, the blocks in order: the same on any number of threads). */
+double scape_prepare_gather(i64 total, const float *g, float *e, float *m, const i64 *pidx,
+                            i64 kp, const i64 *idx, i64 k, float *payload, float *mc,
                             float beta1, float s, int nthreads) {
-    pg_job job = {.g = g, .m = m, .e = e, .payload = payload, .pidx = pidx, .idx = idx,
-                  .kp = kp, .k = k, .total = total, .beta1 = beta1, .s = s};
+    pg_job job = {.g = g, .m = m, .e = e, .payload = payload, .mc = mc, .pidx = pidx,
+                  .idx = idx, .kp = kp, .k = k, .total = total, .beta1 = beta1, .s = s};
     return blocked_sum(nblocks_of(total), full_threads(nthreads, total), pg_blocks, &job);
 }
 
