@@ -89,7 +89,10 @@ def _is_d2h_copy(func, args, kwargs) -> bool:
     return False
 
 
-_WRITE_ONLY = {"fill_", "zero_", "copy_", "normal_", "uniform_", "random_"}
+# written only: the target of a fill or copy, the result of a ``new_*`` factory (``self`` gives
+# the dtype and device, it is not read)
+_WRITE_ONLY = {"fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "new_zeros",
+               "new_ones", "new_empty", "new_full"}
 _INDEX_READ = {"index_select", "gather", "index"}             # output-sized reads of self
 _INDEX_WRITE = {"index_copy_", "index_add_", "scatter_", "index_put_"}  # source-sized writes
 

@@ -458,7 +458,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         gathered, self._payload = self._payload, None
         if gathered is not None and gathered[0] is idx:      # by the prepare's walk, which
             _, payload, mc = gathered                        # zeroed m on its old support
-            m_at, old_support = None, m.new_zeros(0, dtype=torch.int64)
+            m_at, old_support = None, torch.zeros(0, dtype=torch.int64, device=m.device)
         else:
             payload, mc = (torch.empty(k, dtype=torch.float32, device=c.device)
                            for _ in range(2))
