@@ -336,6 +336,57 @@ def test_prepare_with_the_payload_gather_is_the_same_on_any_number_of_threads():
     assert sq == pytest.approx(float(want[off].double().square().sum()), rel=1e-12)
 
 
+def test_sharded_prepare_with_the_payload_rows_is_the_same_on_any_number_of_threads():
+    """The sharded prepare's walk (rank 1 of 3, its range off the blocks' bounds): ε, ρ, m, the
+    candidate, the reduce-scatter's rows, the owner's m and ρ at M_t and Σ ε² bit for bit on any
+    thread count, and equal to the separate passes' torch ops."""
+    g = torch.Generator().manual_seed(23)
+    lo, hi = 300_007, 900_011
+    grad, x0, m0 = (torch.randn(N, generator=g) for _ in range(3))
+    rho0 = torch.randn(hi - lo, generator=g)
+    m0[:lo] = 0.0
+    m0[hi:] = 0.0                      # m lives on the own range
+    idx = _index_list(24)
+    pidx = torch.sort(torch.randperm(hi - lo, generator=g)[:K // 3]).values   # own-range
+    bounds = [0, lo, hi, N]
+    counts = [int(((idx >= a) & (idx < b)).sum()) for a, b in zip(bounds, bounds[1:])]
+    starts = [0, counts[0], counts[0] + counts[1]]
+    width = max(counts)
+    rows = native.table([[starts[r], r * width - starts[r]] for r in range(3)], 2)
+    a, b = starts[1], starts[1] + counts[1]
+
+    def run():
+        x, rho, m = x0.clone(), rho0.clone(), m0[lo:hi].clone()
+        cand, send = torch.empty(hi - lo), torch.zeros(3, width)
+        mc, rho_at = torch.empty(b - a), torch.empty(b - a)
+        sq = LIB.scape_prepare_take(N, native.ptr(grad), native.ptr(x), native.ptr(rho),
+                                    native.ptr(m), native.ptr(pidx), pidx.numel(), lo, hi,
+                                    native.ptr(cand), native.ptr(idx), idx.numel(),
+                                    native.ptr(rows), 3, native.ptr(send), a, b,
+                                    native.ptr(mc), native.ptr(rho_at), 0.9, 0.1)
+        return x, rho, m, cand, send, mc, rho_at, sq
+
+    x, rho, m, cand, send, mc, rho_at, sq = _same_on_every_count(run)
+    m_own = m0[lo:hi]
+    want_rho = rho0.clone()
+    want_rho[pidx] = m_own[pidx] * 0.9
+    want_x = x0 + grad * 0.1
+    assert torch.equal(cand, want_rho + want_x[lo:hi])
+    own = idx[a:b] - lo
+    assert torch.equal(mc, m_own[own]) and torch.equal(rho_at, want_rho[own])
+    want_rho[own] = 0.0
+    assert torch.equal(rho, want_rho)
+    want_m = m_own.clone()
+    want_m[pidx] = 0.0
+    assert torch.equal(m, want_m)
+    for r in range(3):
+        assert torch.equal(send[r, :counts[r]], want_x[idx[starts[r]:starts[r] + counts[r]]])
+        assert not send[r, counts[r]:].any()
+    want_x[idx] = 0.0
+    assert torch.equal(x, want_x)
+    assert sq == pytest.approx(float(want_x.double().square().sum()), rel=1e-12)
+
+
 def test_traffic_takes_each_loops_arguments():
     """``native._TRAFFIC`` counts bytes from the arguments by position: each entry takes the
     arguments a caller passes (the loop's list less the thread count, which the wrapper adds)."""

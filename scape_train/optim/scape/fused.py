@@ -118,6 +118,7 @@ class _FusedMixin:
         self._pidx: torch.Tensor | None = None      # previous mask's indices (m's support)
         self._idx: torch.Tensor | None = None
         self.given_idx: torch.Tensor | None = None  # M_t's sorted indices, from the decode
+        self.given_counts: list[list[int]] | None = None   # and its ones per segment
         self._plans: dict[tuple, tuple] = {}
         lay = self.layout
         by_wd: dict[float, list[int]] = {}
@@ -319,6 +320,14 @@ class _FusedMixin:
         theta_c.addcdiv_(m_new, denom, value=-step_size)
         return m_new
 
+    def _given(self) -> torch.Tensor | None:
+        """M_t's indices from the decode when they hold the plan's ones (what
+        :meth:`_mask_index` will return), for a prepare that walks them; else ``None``."""
+        idx, counts = self.given_idx, self.given_counts
+        if idx is None or counts is None or idx.numel() != sum(map(sum, counts)):
+            return None
+        return idx
+
     def _mask_index(self, mask: torch.Tensor, k: int) -> torch.Tensor:
         """The mask's ``k`` flat indices, increasing: from the decode when it produced them,
         else one ``nonzero_static`` pass over the mask."""
@@ -374,7 +383,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._c_sq, self._payload = None, None
         lib = self._passes(g)
         rows, gtab, numels = self._grad_table(g) if lib is not None else (0, None, None)
-        idx = self.given_idx                # M_t's indices, when the decode gave them
+        idx = self._given()                 # M_t's indices, when the decode gave them
         if self._pidx is not None and rows == 1 and idx is not None:
             # the two lines below, the payload gather and m's (m then zeroed on its support:
             # the update sets it at M_t from mc) in one walk of one flat gradient
@@ -456,7 +465,9 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         positions, the momentum; the all-reduce and the weight decay as on the torch path."""
         cfg, c, m = self.cfg, self._c, self.m
         gathered, self._payload = self._payload, None
-        if gathered is not None and gathered[0] is idx:      # by the prepare's walk, which
+        # the prepare's walk changed m (and e) for these indices: no other path may follow
+        assert gathered is None or gathered[0] is idx, "the prepare walked other indices"
+        if gathered is not None:                             # by the prepare's walk, which
             _, payload, mc = gathered                        # zeroed m on its old support
             m_at, old_support = None, torch.zeros(0, dtype=torch.int64, device=m.device)
         else:
@@ -513,6 +524,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self._init_fused()
         self._pidx_own: torch.Tensor | None = None
         self._x_sq: float | None = None     # Σ x² from the C prepare
+        self._taken = None                  # the payload's rows etc., taken by the prepare
         self._cand_pool = native.BufferPool(1)  # c^(o), read by the top-k, then free
 
     def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
@@ -523,12 +535,17 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         beta1 = self.cfg.betas[0]
         eps_ = self.residual.tensor()
         lib = self._passes(g) if self._pidx is not None else None
-        self._x_sq = None
+        self._x_sq, self._taken = None, None
         if lib is not None:            # ε ← x, ρ ← base and c^(o) = base + x^(o), in one pass
             rows, gtab, numels = self._grad_table(g)
             p = self._pidx_own
             (cand,) = self._cand_pool.get(((self.hi - self.lo,), torch.float32),
                                           device=eps_.device)
+            idx = self._given()
+            if rows == 1 and idx is not None:
+                self._taken = self._prepare_take(lib, g[0], eps_, cand, idx, self.given_counts)
+                self._x = eps_
+                return cand
             self._x_sq = lib.scape_prepare_sharded(
                 rows, native.ptr(gtab), native.ptr(numels), native.ptr(eps_),
                 native.ptr(self.rho), native.ptr(self.m), native.ptr(p), p.numel(), self.lo,
@@ -543,6 +560,29 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             self.rho.index_copy_(0, p, self.m.index_select(0, p).mul_(beta1))
         self._x = eps_
         return torch.add(self.rho, eps_[self.lo:self.hi])    # base + x^(o) = c^(o)
+
+    def _prepare_take(self, lib, g: torch.Tensor, x: torch.Tensor, cand: torch.Tensor,
+                      idx: torch.Tensor, seg_counts: list[list[int]]) -> tuple:
+        """The C prepare's walk (one flat gradient) that also takes M_t's payload into the
+        reduce-scatter's rows (ε = (1-M)⊙x), gathers the owner's m and ρ at its entries (ρ then
+        zeroed) and zeroes m on its old support: ``(idx, rows, m there, ρ there, Σ ε²)``."""
+        comm, beta1 = self.comm, self.cfg.betas[0]
+        counts = [sum(c) for c in seg_counts]
+        width = max(1, max(counts))
+        starts = [sum(counts[:r]) for r in range(comm.world)]
+        send = torch.zeros(comm.world, width, dtype=torch.float32, device=x.device)
+        rows = native.table([[starts[r], r * width - starts[r]] for r in range(comm.world)], 2)
+        a = starts[comm.rank]
+        b = a + counts[comm.rank]
+        mc, rho_at = (torch.empty(b - a, dtype=torch.float32, device=x.device) for _ in range(2))
+        p = self._pidx_own
+        sq = lib.scape_prepare_take(self.layout.total, g.data_ptr(), native.ptr(x),
+                                    native.ptr(self.rho), native.ptr(self.m), native.ptr(p),
+                                    p.numel(), self.lo, self.hi, native.ptr(cand),
+                                    native.ptr(idx), idx.numel(), native.ptr(rows),
+                                    comm.world, native.ptr(send), a, b, native.ptr(mc),
+                                    native.ptr(rho_at), beta1, 1.0 - beta1)
+        return idx, send, mc, rho_at, sq
 
     def update(self, mask: torch.Tensor, lr: float, step: int, seg_counts: list[list[int]],
                during_payload=None) -> dict[str, float]:
@@ -625,38 +665,54 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         gathered shards, the momentum); the collectives and the weight decay as in torch."""
         cfg, x, comm, m = self.cfg, self._x, self.comm, self.m
         world, rank, lo = comm.world, comm.rank, self.lo
-        send = torch.zeros(world, width, dtype=torch.float32, device=x.device)
-        cut = 0.0
-        for r, k in enumerate(counts):   # the payload rows, and ε = (1-M)⊙x in the same pass
-            if k:
-                cut = cut + lib.scape_take(k, native.ptr(idx[starts[r]:starts[r] + k]),
-                                           native.ptr(x), native.ptr(send[r]))
+        taken, self._taken = self._taken, None
+        k_own, s_own = counts[rank], starts[rank]
+        own = idx[s_own:s_own + k_own]
+        # the prepare's walk changed x, ρ and m for these indices: no other path may follow
+        assert taken is None or taken[0] is idx, "the prepare walked other indices"
+        if taken is not None:                       # by the prepare's walk: the rows, and the
+            _, send, mc, rho_at, res_sq = taken     # owner's m and ρ (both zeroed there)
+            cut, old_support = 0.0, torch.zeros(0, dtype=torch.int64, device=x.device)
+        else:
+            res_sq, rho_at, old_support = None, None, self._pidx_own
+            send = torch.zeros(world, width, dtype=torch.float32, device=x.device)
+            cut = 0.0
+            for r, k in enumerate(counts):   # the payload rows, and ε = (1-M)⊙x in one pass
+                if k:
+                    cut = cut + lib.scape_take(k, native.ptr(idx[starts[r]:starts[r] + k]),
+                                               native.ptr(x), native.ptr(send[r]))
+            mc = torch.empty(k_own, dtype=torch.float32, device=x.device)  # old m at the mask
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
         _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True,
                                         async_op=True), during_payload)
         del send
-        k_own, s_own = counts[rank], starts[rank]
-        own = idx[s_own:s_own + k_own]
-        mc = torch.empty(k_own, dtype=torch.float32, device=x.device)  # the old m at the mask
-        sq = lib.scape_ghat(k_own, native.ptr(own), lo, native.ptr(recv), native.ptr(self.rho),
-                            native.ptr(m), native.ptr(mc), cfg.betas[0],
-                            1.0 - cfg.betas[0])  # recv = ĝ; ρ = (1-M)⊙base
+        if rho_at is None:      # recv = ĝ; ρ = (1-M)⊙base; m gathered into mc
+            sq = lib.scape_ghat(k_own, native.ptr(own), lo, native.ptr(recv),
+                                native.ptr(self.rho), native.ptr(m), native.ptr(mc),
+                                cfg.betas[0], 1.0 - cfg.betas[0])
+        else:                   # b̄ + ρ (the ĝ pass's first add), then ĝ from mc
+            recv[:k_own].add_(rho_at)
+            sq = lib.scape_ghat(k_own, None, 0, native.ptr(recv), None, None, native.ptr(mc),
+                                cfg.betas[0], 1.0 - cfg.betas[0])
         sq_t = _as_tensor(sq).float().reshape(1)
         comm.all_reduce(sq_t, kind="norm", average=False)
         norm = sq_t.sqrt()[0]
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         x_sq, self._x_sq = self._x_sq, None
-        res = (torch.linalg.vector_norm(x).double() if x_sq is None else _root(x_sq, cut))
+        if res_sq is not None:
+            res = _root(res_sq)
+        else:
+            res = (torch.linalg.vector_norm(x).double() if x_sq is None else _root(x_sq, cut))
         mi = self._index(idx, seg_counts)
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
         if k_own:     # θ·(1 - lr·wd) + the update into the shard; θ itself is not written yet
-            self._passes_adams(lib, idx, s_own, k_own, lo, recv, mc, m, self._pidx_own,
+            self._passes_adams(lib, idx, s_own, k_own, lo, recv, mc, m, old_support,
                                self._param_table(mi, s_own, s_own + k_own, lr), shard, coef,
                                lr, step)                      # and m (own range)
-        elif self._pidx_own is None:
+        elif old_support is None:
             m.zero_()
         else:
-            m.index_fill_(0, self._pidx_own, 0.0)
+            m.index_fill_(0, old_support, 0.0)
         gathered = torch.empty(width * world, dtype=torch.float32, device=x.device)
         comm.all_gather(gathered, shard, kind="params")
 

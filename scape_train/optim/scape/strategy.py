@@ -143,6 +143,7 @@ class ScapeStrategy(OptimizerStrategy):
         if hasattr(self.engine, "given_idx"):   # fused: M_t's, when the decode has them (the
             # prepare gathers the payload on its way, the update indexes by them)
             self.engine.given_idx = None if self._pending is None else self._pending.indices
+            self.engine.given_counts = counts
         stat = self.engine.prepare(g, mask)
         if mask is None:                     # first step: build M_1 synchronously
             mask = self._first_mask(stat, self.density(t))

@@ -448,6 +448,29 @@ class TritonPasses:
             self._fill(m, pidx, kp, 0.0)
         return sq
 
+    def scape_prepare_take(self, total, g, x, rho, m, pidx, kp, lo, hi, cand, idx, k, rows,
+                           nrows, send, own_a, own_b, mc, rho_at, beta1, s):
+        """The sharded prepare, the owner's m and ρ gathered at its entries (ρ then zeroed), m
+        zeroed on its old support, the payload's rows taken: launches in a row here (the C
+        loop walks once); returns Σ ε² of the new ε."""
+        gtab, numels = native.table([[g, 0]], 2), torch.tensor([total], dtype=torch.int64)
+        sq = self.scape_prepare_sharded(1, native.ptr(gtab), native.ptr(numels), x, rho, m,
+                                        pidx, kp, lo, hi, cand, beta1, s)
+        n_own = own_b - own_a
+        if n_own:
+            self._gather(n_own, idx + 8 * own_a, lo, m, mc, False)
+            self._gather(n_own, idx + 8 * own_a, lo, rho, rho_at, True)   # and ρ ← 0 there
+        if kp:
+            self._fill(m, pidx, kp, 0.0)
+        starts_offs = _host_rows(rows, nrows, 2)
+        ends = list(starts_offs[2::2]) + [k]
+        for r in range(nrows):
+            a, off = starts_offs[2 * r], starts_offs[2 * r + 1]
+            if ends[r] > a:
+                sq = sq - self._gather(ends[r] - a, idx + 8 * a, 0, x, send + 4 * (a + off),
+                                       True)
+        return sq
+
     def scape_gather(self, k, idx, base, src, values):
         return self._gather(k, idx, base, src, values, False)
 
@@ -477,11 +500,13 @@ class TritonPasses:
 
     def scape_ghat(self, k, idx, base, b, rho, m, mc, beta1, d):
         def launch(a, n, parts):
-            i, bb, mm = idx + 8 * a, b + 4 * a, (mc or 0) + 4 * a
+            i, bb, mm = (idx or 0) + 8 * a, b + 4 * a, (mc or 0) + 4 * a   # idx: None with
+            # neither ρ nor m (the old m read from mc)
             run(_ghat_kernel, (triton.cdiv(n, K_BLOCK),), n, i, base, bb, rho or 0, m or 0,
                 mm if mc else 0, parts, -beta1, d, HAS_RHO=rho is not None,
                 HAS_M=m is not None, HAS_MC=mc is not None,
-                ALIGNED=_aligned(i, bb, mm if mc else 0), BLOCK=K_BLOCK, **_OPTS)
+                ALIGNED=_aligned(i if idx else 0, bb, mm if mc else 0), BLOCK=K_BLOCK,
+                **_OPTS)
         return self._over_k(k, launch)
 
     def _decay(self, tab, nseg, width, col) -> None:

@@ -49,6 +49,8 @@ _SIGNATURES = {
                                    ctypes.c_int]),
     "scape_prepare_gather": (_D, [_I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _F, _F,
                                   ctypes.c_int]),
+    "scape_prepare_take": (_D, [_I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P, _I, _P,
+                                _I, _I, _P, _P, _F, _F, ctypes.c_int]),
     "scape_gather": (_D, [_I, _P, _I, _P, _P, ctypes.c_int]),
     "scape_take": (_D, [_I, _P, _P, _P, ctypes.c_int]),
     "scape_ghat": (_D, [_I, _P, _I, _P, _P, _P, _P, _F, _F, ctypes.c_int]),
@@ -99,6 +101,11 @@ _TRAFFIC = {
     # old support (the C loop reads g, e and m at the mask positions from cache, in one walk)
     "scape_prepare_gather": lambda total, g, e, m, pidx, kp, idx, k, *_:
         12 * total + 24 * kp + 24 * k + 12 * kp,
+    # as the separate passes: the sharded prepare, the rows taken (idx, x read, the row and x
+    # written), the owner's m and ρ gathered and ρ zeroed, m zeroed at its old support
+    "scape_prepare_take": lambda total, g, x, rho, m, pidx, kp, lo, hi, cand, idx, k, rows,
+        nrows, send, own_a, own_b, *_: 12 * total + 8 * (hi - lo) + 16 * kp + 20 * k
+        + 24 * (own_b - own_a) + 12 * kp,
     "scape_gather": lambda k, *_: 16 * k,
     "scape_take": lambda k, *_: 20 * k,     # idx, src read, values and src written
     # the payload read, ĝ written; idx and m read (or the old m at the mask read from mc,

@@ -476,6 +476,89 @@ double scape_prepare_gather(i64 total, const float *g, float *e, float *m, const
     return blocked_sum(nblocks_of(total), full_threads(nthreads, total), pg_blocks, &job);
 }
 
+/* The sharded prepare and the payload's rows in one walk of the flat space. */
+typedef struct {
+    const float *g;
+    float *x, *rho, *m, *cand, *send, *mc, *rho_at;
+    const i64 *pidx, *idx, *rows;
+    i64 kp, k, nrows, lo, hi, own_a, own_b, total;
+    float beta1, s;
+} pt_job;
+
+static void pt_blocks(void *arg, i64 b0, i64 b1, double *part) {
+    const pt_job *j = (const pt_job *)arg;
+    const float s = j->s, beta1 = j->beta1, *g = j->g;
+    float *x = j->x, *rho = j->rho, *m = j->m;
+    const i64 lo = j->lo, hi = j->hi;
+    for (i64 blk = b0; blk < b1; blk++) {
+        i64 a = blk * SUM_BLOCK, b = min64(a + SUM_BLOCK, j->total);
+        /* m's own support (own-range indices), M_t's entries (flat), and the row (destination
+         * rank) of the first entry at or after a */
+        i64 p = lower_bound(j->pidx, j->kp, a - lo), q = lower_bound(j->idx, j->k, a), r = 0;
+        while (r + 1 < j->nrows && j->rows[2 * (r + 1)] <= q) r++;
+        double sq = 0.0;
+        for (i64 c0 = a; c0 < b; c0 += PG_CHUNK) {
+            i64 c1 = min64(c0 + PG_CHUNK, b);
+            int own = c1 > lo && c0 < hi;        /* meets the own range: m, ρ, cand there */
+            i64 p0 = p;
+            if (own)
+                for (; p < j->kp && j->pidx[p] + lo < c1; p++)       /* base = β1·m there */
+                    rho[j->pidx[p]] = m[j->pidx[p]] * beta1;
+#pragma omp simd
+            for (i64 i = c0; i < c1; i++) x[i] = x[i] + s * g[i];
+            if (own) {
+                i64 oa = max64(c0, lo), ob = min64(c1, hi);
+#pragma omp simd
+                for (i64 i = oa; i < ob; i++) j->cand[i - lo] = rho[i - lo] + x[i];
+            }
+            i64 q0 = q;
+            for (; q < j->k && j->idx[q] < c1; q++) {
+                i64 i = j->idx[q];
+                if (q >= j->own_a && q < j->own_b) {     /* the owner's: ĝ's inputs, gathered */
+                    i64 o = i - lo, at = q - j->own_a;
+                    j->mc[at] = m[o];
+                    j->rho_at[at] = rho[o];
+                    rho[o] = 0.0f;                       /* ρ = (1-M)⊙base */
+                }
+            }
+            if (own)
+                for (i64 t = p0; t < p; t++) m[j->pidx[t]] = 0.0f;   /* read for the last time */
+            for (i64 t = q0; t < q; t++) {               /* the payload rows: ε = (1-M)⊙x */
+                while (r + 1 < j->nrows && j->rows[2 * (r + 1)] <= t) r++;
+                i64 i = j->idx[t];
+                j->send[t + j->rows[2 * r + 1]] = x[i];
+                x[i] = 0.0f;
+            }
+            double part_sq = 0.0;
+#pragma omp simd reduction(+ : part_sq)
+            for (i64 i = c0; i < c1; i++) part_sq += (double)x[i] * (double)x[i];
+            sq += part_sq;
+        }
+        part[blk - b0] = sq;
+    }
+}
+
+/* Sharded prepare with m's own support known, and the payload's rows, in one walk (one flat
+ * gradient ``g``, ``total`` long; the owner's range [lo, hi)). Per chunk of the flat space:
+ *   ρ[p] = β1·m[p] at ``pidx`` (m's own support, own-range indices, ``kp``);
+ *   x += round(s·g);  on the own range cand[f - lo] = ρ[f - lo] + x[f];
+ *   at the owner's entries of M_t (``idx[own_a:own_b]``): mc, rho_at ← m, ρ there; ρ ← 0;
+ *   m[pidx] = 0 (the update sets m at M_t from mc);
+ *   at every entry q of M_t (``idx``, ``k``, flat, ascending): send[q + off] = x[idx[q]],
+ *   x[idx[q]] = 0, with ``rows``: ``nrows`` pairs (first entry, off) of the ranks' rows.
+ * Returns Σ ε² of the new ε (per block of SUM_BLOCK elements in order: the same on any number of
+ * threads). */
+double scape_prepare_take(i64 total, const float *g, float *x, float *rho, float *m,
+                          const i64 *pidx, i64 kp, i64 lo, i64 hi, float *cand, const i64 *idx,
+                          i64 k, const i64 *rows, i64 nrows, float *send, i64 own_a, i64 own_b,
+                          float *mc, float *rho_at, float beta1, float s, int nthreads) {
+    pt_job job = {.g = g, .x = x, .rho = rho, .m = m, .cand = cand, .send = send, .mc = mc,
+                  .rho_at = rho_at, .pidx = pidx, .idx = idx, .rows = rows, .kp = kp, .k = k,
+                  .nrows = nrows, .lo = lo, .hi = hi, .own_a = own_a, .own_b = own_b,
+                  .total = total, .beta1 = beta1, .s = s};
+    return blocked_sum(nblocks_of(total), full_threads(nthreads, total), pt_blocks, &job);
+}
+
 /* Replicated prepare, m's support unknown (the first step, after a load): the GENERAL pass */
 double scape_prepare_replicated_general(i64 ntensor, const i64 *gtab, const i64 *numels,
                                         float *e, const float *m, float beta1, float s,
@@ -1019,6 +1102,23 @@ i64 scape_mask_decode(i64 nseg, const i64 *tab, const u8 *buf, i64 len, u8 *mask
     return rc;
 }
 
+/* the bools (0 or 1 each) at ``b[0..8)`` as the bits of one byte, b[i] -> bit i: one multiply
+ * gathers the bytes' low bits into the top byte */
+static inline unsigned pack8(const u8 *b) {
+    u64 w;
+    memcpy(&w, b, 8);
+    return (unsigned)(((w & 0x0101010101010101ULL) * 0x0102040810204080ULL) >> 56);
+}
+
+/* the bools at ``b[0..n)``, n <= 64, as the bits of a word */
+static inline u64 pack64(const u8 *b, i64 n) {
+    u64 word = 0;
+    i64 i = 0;
+    for (; i + 8 <= n; i += 8) word |= (u64)pack8(b + i) << i;
+    for (; i < n; i++) word |= (u64)(b[i] & 1) << i;
+    return word;
+}
+
 /* Encode segment ``r`` (8 int64: kind, start in ``bits``, numel, k, width, off, low_bytes,
  * high_bytes) into its bytes of the zeroed ``shard``: 0, or -1 when it holds another number of
  * ones than its row says. */
@@ -1030,7 +1130,9 @@ static int encode_segment(const i64 *r, const u8 *bits, u8 *shard) {
     if (kind == K_ALL) return 0;
     if (kind == K_BITMAP) {
         u8 *out = shard + off;
-        for (i64 i = 0; i < numel; i++)
+        i64 q = 0;
+        for (; 8 * q + 8 <= numel; q++) out[q] = (u8)pack8(b + 8 * q);
+        for (i64 i = 8 * q; i < numel; i++)
             if (b[i]) out[i >> 3] |= (u8)(1u << (i & 7));
         return 0;
     }
@@ -1038,18 +1140,24 @@ static int encode_segment(const i64 *r, const u8 *bits, u8 *shard) {
     u8 *up = shard + off + lbytes;
     u64 lmask = width >= 64 ? ~0ULL : ((1ULL << width) - 1);
     i64 j = 0;
-    for (i64 i = 0; i < numel; i++) {
-        if (!b[i]) continue;
-        if (j >= k) return -1;
-        if (kind == K_INDICES) {
-            write_field(lowp, lbytes, j * width, width, (u64)i);
-        } else {
-            if (width) write_field(lowp, lbytes, j * width, width, (u64)i & lmask);
-            i64 u = (i >> width) + j;
-            if ((u >> 3) >= hbytes) return -1;
-            up[u >> 3] |= (u8)(1u << (u & 7));
+    /* 64 bools at a time, their ones visited by their bits (no branch per element: a one is
+     * ~1 in 10 at random, which a branch per element mispredicts) */
+    for (i64 base = 0; base < numel; base += 64) {
+        u64 word = pack64(b + base, min64(64, numel - base));
+        while (word) {
+            i64 i = base + __builtin_ctzll(word);
+            word &= word - 1;
+            if (j >= k) return -1;
+            if (kind == K_INDICES) {
+                write_field(lowp, lbytes, j * width, width, (u64)i);
+            } else {
+                if (width) write_field(lowp, lbytes, j * width, width, (u64)i & lmask);
+                i64 u = (i >> width) + j;
+                if ((u >> 3) >= hbytes) return -1;
+                up[u >> 3] |= (u8)(1u << (u & 7));
+            }
+            j++;
         }
-        j++;
     }
     return j == k ? 0 : -1;
 }
