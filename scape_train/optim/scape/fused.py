@@ -367,7 +367,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._zero_pending = False
         self._c_sq: float | None = None     # Σ c² from the C prepare
         self._cut = None                    # Σ_M c² from the C / Triton payload gather
-        self._payload = None                # (M_t's indices, c there): gathered by the prepare
+        self._payload = None                # (M_t's indices, c there, m there): the prepare's
 
     def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
         """``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
@@ -461,8 +461,9 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
 
     def _update_passes(self, lib, idx: torch.Tensor, k: int, counts: list[list[int]],
                        lr: float, step: int, during_payload) -> dict[str, float]:
-        """:meth:`update` with its O(k) passes in C: gather, ĝ and its norm, AdamS at the mask
-        positions, the momentum; the all-reduce and the weight decay as on the torch path."""
+        """:meth:`update` with its O(k) passes in C (or Triton): the payload (gathered by the
+        prepare's walk when it could), ĝ and its norm, AdamS at the mask positions with the
+        weight decay in its walk of θ, the momentum; the all-reduce as on the torch path."""
         cfg, c, m = self.cfg, self._c, self.m
         gathered, self._payload = self._payload, None
         # the prepare's walk changed m (and e) for these indices: no other path may follow
@@ -660,9 +661,10 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
     def _update_passes(self, lib, idx: torch.Tensor, seg_counts: list[list[int]],
                        counts: list[int], starts: list[int], width: int, lr: float, step: int,
                        during_payload) -> dict[str, float]:
-        """:meth:`update` with its O(k) passes in C (the payload gathered straight into the
-        reduce-scatter's rows, ĝ and ρ's fold, AdamS into the shard, the parameters from the
-        gathered shards, the momentum); the collectives and the weight decay as in torch."""
+        """:meth:`update` with its O(k) passes in C or Triton (the payload gathered straight
+        into the reduce-scatter's rows, by the prepare's walk when it could; ĝ and ρ's fold,
+        AdamS into the shard, the parameters from the gathered shards with the weight decay in
+        the same walk of θ, the momentum); the collectives as in torch."""
         cfg, x, comm, m = self.cfg, self._x, self.comm, self.m
         world, rank, lo = comm.world, comm.rank, self.lo
         taken, self._taken = self._taken, None
