@@ -434,18 +434,22 @@ static void pg_blocks(void *arg, i64 b0, i64 b1, double *part) {
         double sq = 0.0;
         for (i64 c0 = lo; c0 < hi; c0 += PG_CHUNK) {
             i64 c1 = min64(c0 + PG_CHUNK, hi);
-#pragma omp simd
-            for (i64 i = c0; i < c1; i++) e[i] = e[i] + s * g[i];
+            double all = 0.0, cut = 0.0;
+#pragma omp simd reduction(+ : all)
+            for (i64 i = c0; i < c1; i++) {
+                float y = e[i] + s * g[i];
+                e[i] = y;
+                all += (double)y * (double)y;
+            }
             i64 p0 = p;
             for (; p < j->kp && j->pidx[p] < c1; p++) {    /* m's support: e_{t-1} = 0 there */
                 i64 i = j->pidx[p];
                 float x = m[i] * beta1;
                 float y = s * g[i];
-                e[i] = x + y;
+                float c = x + y;
+                all += (double)c * (double)c - (double)e[i] * (double)e[i];
+                e[i] = c;
             }
-            double all = 0.0, cut = 0.0;
-#pragma omp simd reduction(+ : all)
-            for (i64 i = c0; i < c1; i++) all += (double)e[i] * (double)e[i];
             for (; q < j->k && j->idx[q] < c1; q++) {      /* the payload: c at M_t */
                 i64 i = j->idx[q];
                 float v = e[i];
@@ -504,12 +508,27 @@ static void pt_blocks(void *arg, i64 b0, i64 b1, double *part) {
             if (own)
                 for (; p < j->kp && j->pidx[p] + lo < c1; p++)       /* base = β1·m there */
                     rho[j->pidx[p]] = m[j->pidx[p]] * beta1;
-#pragma omp simd
-            for (i64 i = c0; i < c1; i++) x[i] = x[i] + s * g[i];
-            if (own) {
-                i64 oa = max64(c0, lo), ob = min64(c1, hi);
-#pragma omp simd
-                for (i64 i = oa; i < ob; i++) j->cand[i - lo] = rho[i - lo] + x[i];
+            /* x += s·g over the chunk, on its own part also cand = ρ + x; Σ x² as it goes */
+            i64 oa = own ? max64(c0, lo) : c1, ob = own ? min64(c1, hi) : c1;
+            double all = 0.0, cut = 0.0;
+#pragma omp simd reduction(+ : all)
+            for (i64 i = c0; i < oa; i++) {
+                float y = x[i] + s * g[i];
+                x[i] = y;
+                all += (double)y * (double)y;
+            }
+#pragma omp simd reduction(+ : all)
+            for (i64 i = oa; i < ob; i++) {
+                float y = x[i] + s * g[i];
+                x[i] = y;
+                j->cand[i - lo] = rho[i - lo] + y;
+                all += (double)y * (double)y;
+            }
+#pragma omp simd reduction(+ : all)
+            for (i64 i = ob; i < c1; i++) {
+                float y = x[i] + s * g[i];
+                x[i] = y;
+                all += (double)y * (double)y;
             }
             i64 q0 = q;
             for (; q < j->k && j->idx[q] < c1; q++) {
@@ -526,13 +545,12 @@ static void pt_blocks(void *arg, i64 b0, i64 b1, double *part) {
             for (i64 t = q0; t < q; t++) {               /* the payload rows: ε = (1-M)⊙x */
                 while (r + 1 < j->nrows && j->rows[2 * (r + 1)] <= t) r++;
                 i64 i = j->idx[t];
-                j->send[t + j->rows[2 * r + 1]] = x[i];
+                float v = x[i];
+                j->send[t + j->rows[2 * r + 1]] = v;
                 x[i] = 0.0f;
+                cut += (double)v * (double)v;
             }
-            double part_sq = 0.0;
-#pragma omp simd reduction(+ : part_sq)
-            for (i64 i = c0; i < c1; i++) part_sq += (double)x[i] * (double)x[i];
-            sq += part_sq;
+            sq += all - cut;
         }
         part[blk - b0] = sq;
     }
