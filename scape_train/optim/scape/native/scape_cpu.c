@@ -168,6 +168,32 @@ typedef struct {
     i64 total;              /* the flat size */
 } prep_job;
 
+/* x[a, b) += round(s·g[a, b)); returns Σ of the new x² (the prepares' full-size line) */
+static inline double add_scaled(float *x, const float *g, float s, i64 a, i64 b) {
+    double sq = 0.0;
+#pragma omp simd reduction(+ : sq)
+    for (i64 i = a; i < b; i++) {
+        float y = x[i] + s * g[i];
+        x[i] = y;
+        sq += (double)y * (double)y;
+    }
+    return sq;
+}
+
+/* add_scaled over n elements, on an owner's range: also cand = ρ + x (the sharded candidate) */
+static inline double add_scaled_cand(float *x, const float *g, float s, float *cand,
+                                     const float *rho, i64 n) {
+    double sq = 0.0;
+#pragma omp simd reduction(+ : sq)
+    for (i64 i = 0; i < n; i++) {
+        float y = x[i] + s * g[i];
+        x[i] = y;
+        cand[i] = rho[i] + y;
+        sq += (double)y * (double)y;
+    }
+    return sq;
+}
+
 static double prep_span(const prep_job *j, const float *g, float *et, const float *mt, i64 a,
                         i64 b) {
     double sq = 0.0;
@@ -181,12 +207,7 @@ static double prep_span(const prep_job *j, const float *g, float *et, const floa
             sq += (double)c * (double)c;
         }
     } else {
-#pragma omp simd reduction(+ : sq)
-        for (i64 i = a; i < b; i++) {
-            float y = et[i] + s * g[i];
-            et[i] = y;
-            sq += (double)y * (double)y;
-        }
+        sq = add_scaled(et, g, s, a, b);
     }
     return sq;
 }
@@ -201,16 +222,9 @@ static double prep_piece(const prep_job *j, i64 t, i64 off, i64 a, i64 b) {
     oa = oa < a ? a : (oa > b ? b : oa);
     ob = ob < oa ? oa : (ob > b ? b : ob);
     double sq = prep_span(j, g, et, mt, a, oa);
-    const float *rt = j->rho + (off - j->lo);
-    float *ct = j->cand + (off - j->lo);
-    const float s = j->s;
-#pragma omp simd reduction(+ : sq)
-    for (i64 i = oa; i < ob; i++) {
-        float y = et[i] + s * g[i];
-        et[i] = y;
-        ct[i] = rt[i] + y;
-        sq += (double)y * (double)y;
-    }
+    i64 at = off + oa - j->lo;                           /* where [oa, ob) starts in the range */
+    if (ob > oa)
+        sq += add_scaled_cand(et + oa, g + oa, j->s, j->cand + at, j->rho + at, ob - oa);
     return sq + prep_span(j, g, et, mt, ob, b);
 }
 
@@ -434,13 +448,7 @@ static void pg_blocks(void *arg, i64 b0, i64 b1, double *part) {
         double sq = 0.0;
         for (i64 c0 = lo; c0 < hi; c0 += PG_CHUNK) {
             i64 c1 = min64(c0 + PG_CHUNK, hi);
-            double all = 0.0, cut = 0.0;
-#pragma omp simd reduction(+ : all)
-            for (i64 i = c0; i < c1; i++) {
-                float y = e[i] + s * g[i];
-                e[i] = y;
-                all += (double)y * (double)y;
-            }
+            double all = add_scaled(e, g, s, c0, c1), cut = 0.0;
             i64 p0 = p;
             for (; p < j->kp && j->pidx[p] < c1; p++) {    /* m's support: e_{t-1} = 0 there */
                 i64 i = j->pidx[p];
@@ -510,26 +518,11 @@ static void pt_blocks(void *arg, i64 b0, i64 b1, double *part) {
                     rho[j->pidx[p]] = m[j->pidx[p]] * beta1;
             /* x += s·g over the chunk, on its own part also cand = ρ + x; Σ x² as it goes */
             i64 oa = own ? max64(c0, lo) : c1, ob = own ? min64(c1, hi) : c1;
-            double all = 0.0, cut = 0.0;
-#pragma omp simd reduction(+ : all)
-            for (i64 i = c0; i < oa; i++) {
-                float y = x[i] + s * g[i];
-                x[i] = y;
-                all += (double)y * (double)y;
-            }
-#pragma omp simd reduction(+ : all)
-            for (i64 i = oa; i < ob; i++) {
-                float y = x[i] + s * g[i];
-                x[i] = y;
-                j->cand[i - lo] = rho[i - lo] + y;
-                all += (double)y * (double)y;
-            }
-#pragma omp simd reduction(+ : all)
-            for (i64 i = ob; i < c1; i++) {
-                float y = x[i] + s * g[i];
-                x[i] = y;
-                all += (double)y * (double)y;
-            }
+            double all = add_scaled(x, g, s, c0, oa), cut = 0.0;
+            if (ob > oa)
+                all += add_scaled_cand(x + oa, g + oa, s, j->cand + (oa - lo), rho + (oa - lo),
+                                       ob - oa);
+            all += add_scaled(x, g, s, ob, c1);
             i64 q0 = q;
             for (; q < j->k && j->idx[q] < c1; q++) {
                 i64 i = j->idx[q];
