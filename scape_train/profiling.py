@@ -207,3 +207,37 @@ class DeviceOpCounter:
         self.ops[f"triton::{name}"] += 1
         self.kernel_bytes[name] += nbytes
         self.bytes_moved += nbytes
+
+
+def held_tensors(*roots, max_depth: int = 8) -> list[torch.Tensor]:
+    """Every tensor reachable from ``roots`` through attributes, lists, tuples and dicts (not
+    into ``nn.Module`` s): what an optimizer holds between steps, pools and caches included."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(obj, depth: int) -> None:
+        if depth > max_depth or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, depth + 1)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+            for v in vars(obj).values():
+                walk(v, depth + 1)
+
+    for root in roots:
+        walk(root, 0)
+    return out
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if t.device.type != "meta"}
+    return sum(storages.values())

@@ -47,7 +47,7 @@ from scape_train.optim.config import OptimizerConfig  # noqa: E402
 from scape_train.optim.grad_buffer import write_grads  # noqa: E402
 from scape_train.optim.scape import strategy as scape_strategy  # noqa: E402
 from scape_train.optim.scape.masks import topk_own_mask  # noqa: E402
-from scape_train.profiling import DeviceOpCounter  # noqa: E402
+from scape_train.profiling import DeviceOpCounter, held_tensors, storage_bytes  # noqa: E402
 
 # 8 blocks of width 640 and an 8k vocab: ~50M parameters (10.5M of them in the embeddings).
 MODEL = ModelConfig(name="llama_50m", arch="llama", n_layers=8, d_model=640, n_heads=10,
@@ -96,7 +96,7 @@ class Phases:
         eng = s.engine
         self._wrap(s, "_flat_grads", "gradients: flat copy")
         self._wrap(s, "_grads", "gradients: flat copy")   # fused: views, ~0
-        self._wrap(s, "next_mask", "mask wait + decode")
+        self._wrap(s, "_next", "mask wait + decode")
         self._wrap(eng, "prepare", "candidate + residual (prepare)")
         self._wrap(eng, "update", "payload, ĝ, clip, AdamS (update)")
         self._wrap(eng, "finish_step", "residual fold + norm (finish_step)")
@@ -174,6 +174,17 @@ def step_bytes(s, model, params: int) -> float:
     return ops.bytes_moved / params
 
 
+def held_bytes(s, model, params: int) -> float:
+    """Bytes per parameter the optimizer holds between steps (every tensor reachable from it:
+    state, masks, index vectors, pools and caches), beyond the parameters and their gradients
+    (SCAPE's flat gradient buffer is the gradients)."""
+    roots = [s] + ([list(s.optimizer.state.values())] if getattr(s, "optimizer", None) else [])
+    own = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
+    buf = getattr(s, "grad_buffer", None)
+    own += [] if buf is None else [buf.buffer]
+    return (storage_bytes(held_tensors(*roots) + own) - storage_bytes(own)) / params
+
+
 def run(model, contenders: dict, repeats: int, warmup: int) -> dict:
     built = {name: build(model, *spec) for name, spec in contenders.items()}
     params = sum(p.numel() for p in model.parameters())
@@ -198,7 +209,8 @@ def run(model, contenders: dict, repeats: int, warmup: int) -> dict:
     for name, (s, ph) in built.items():
         t = res[name]["times"]
         row = {"median": statistics.median(t), "min": min(t), "max": max(t), "n": len(t),
-               "bytes_per_param": step_bytes(s, model, params)}
+               "bytes_per_param": step_bytes(s, model, params),
+               "held_per_param": held_bytes(s, model, params)}
         if ph is not None:
             phases = {k: statistics.median(v) for k, v in res[name]["phases"].items()}
             ph_sum = sum(phases.values())
@@ -217,11 +229,14 @@ def table(res: dict) -> str:
              f"load {res['load_before']:.2f} -> {res['load_after']:.2f} (1-min avg, "
              f"{res['cpus']} CPUs); median (min-max) of {res['repeats']} alternating rounds "
              f"after {res['warmup']} warm-up rounds.", "",
-             "| optimizer step | seconds | vs AdamS | B/param (dispatched ops) |",
-             "|---|---|---|---|"]
+             "| optimizer step | seconds | vs AdamS | B/param (dispatched ops) | "
+             "B/param held between steps |",
+             "|---|---|---|---|---|"]
     for name, s in steps.items():
+        held = s.get("held_per_param")
         lines.append(f"| {name} | {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
-                     f"{s['median'] / base:.2f}x | {s['bytes_per_param']:.0f} |")
+                     f"{s['median'] / base:.2f}x | {s['bytes_per_param']:.0f} | "
+                     f"{'' if held is None else f'{held:.2f}'} |")
     scape = [n for n in steps if "phases" in steps[n]]
     labels: list[str] = []
     for n in scape:

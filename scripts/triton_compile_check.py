@@ -76,8 +76,8 @@ def variants() -> list[tuple]:
         out.append((tp._fill_kernel, dict(dst_addr=A, idx_addr=A, k=A, value="fp32",
                                           parts=F64), kba, *want))
         out.append((tp._zero_kernel, dict(dst_addr=A, n=A), fba))   # stores only
-        out.append((tp._count_at_kernel, dict(mask_addr=A, idx_addr=A, k=A, parts=P64), kba,
-                    *want))
+        out.append((tp._count_common_kernel, dict(a_addr=A, k=A, b_addr=A, nb=A, parts=P64),
+                    {"STEPS": 23, **kba}, *want))
     scal = {n: "fp32" for n in ("beta1", "beta2", "omb1", "omb2", "bc1", "sqrt_bc2", "eps", "ns")}
     for clip, has_out, bias in ((True, False, 1), (False, True, 2), (True, True, 0)):
         out.append((tp._adams_kernel, dict(blocks=P64, ttab=P64, idx_addr=A, j0=A, base=A,
@@ -107,10 +107,12 @@ def variants() -> list[tuple]:
                 {"PACK_BYTES": tc.PACK_BYTES}))
     out.append((tc._encode_fields_kernel, dict(bits_ptr=U8, tab_ptr=P64, starts_ptr=P64,
                                                words_ptr="*i32"), {"BLOCK": tc.BLOCK}))
-    out.append((tc._decode_scan_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64, starts_ptr=P64,
-                                             mask_ptr=U8, idx_ptr=P64), {"BLOCK": tc.BLOCK}))
-    out.append((tc._decode_direct_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64, mask_ptr=U8,
-                                               idx_ptr=P64), {"BLOCK": tc.BLOCK}))
+    for with_mask in (False, True):
+        dm = {"MASK": with_mask, "BLOCK": tc.BLOCK}
+        out.append((tc._decode_scan_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64,
+                                                 starts_ptr=P64, mask_ptr=U8, idx_ptr=P64), dm))
+        out.append((tc._decode_direct_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64,
+                                                   mask_ptr=U8, idx_ptr=P64), dm))
     out.append((tpl._bf16_encode_kernel, dict(x_ptr="*i32", out_ptr="*i16", n=A),
                 {"BLOCK": tpl.BLOCK}))
     out.append((tpl._bf16_decode_kernel, dict(h_ptr="*i16", out_ptr="*i32", n=A),

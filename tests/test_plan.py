@@ -30,6 +30,7 @@ from scape_train.plan.devices import GiB, resolve_device
 from scape_train.plan.estimate import plan_memory
 from scape_train.plan.optimizer_memory import optimizer_memory
 from scape_train.plan.tracker import LiveBytes
+from scape_train.profiling import held_tensors
 from tests.helpers import CONFIG_DIR, SMALL, compose_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,28 +79,10 @@ def test_plan_predicts_the_measured_cpu_peak_within_15_percent():
 def _real_tensors(strategy, model) -> list[torch.Tensor]:
     """Every tensor the strategy and the model hold before a step (the tracker's baseline)."""
     out = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
-    seen: set[int] = set()
-
-    def walk(obj, depth=0):
-        if depth > 8 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            out.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v, depth + 1)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
-            for v in vars(obj).values():
-                walk(v, depth + 1)
-
-    walk(strategy)
+    roots = [strategy]
     if getattr(strategy, "optimizer", None) is not None:
-        walk(list(strategy.optimizer.state.values()))
-    return out
+        roots.append(list(strategy.optimizer.state.values()))
+    return out + held_tensors(*roots)
 
 
 def _real_step_peaks(strategy, model, steps: int, after=lambda: None) -> list[int]:

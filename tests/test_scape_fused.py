@@ -77,26 +77,29 @@ def test_fused_equals_reference_one_worker(sharded, bias_correction):
 
 @pytest.mark.parametrize("coding", ["elias_fano", "bitmap", "indices"])
 def test_decoded_indices_equal_the_mask(coding):
-    """The decode hands the update the mask's sorted indices: the C decode for every per-segment
-    coding (not the whole-range bitmap), the torch decode for Elias-Fano (with all-ones
-    segments); others fall back to nonzero_static. All give the same step."""
+    """The decode hands the step the mask's sorted indices and writes no bool mask: the C
+    decode for every per-segment coding (not the whole-range bitmap), the torch decode for
+    Elias-Fano (with all-ones segments); the others hand the bool mask, and the update takes
+    nonzero_static of it. All give the same step, and no full-size bool mask outlives one."""
     _compare(_pair_run(0, mask_coding=coding, density_warmup_steps=0))
     s, w, _ = make(_cfg(mask_coding=coding, density_warmup_steps=0))
     seen = []
-    orig = s.engine._mask_index
+    orig = s.engine.update
 
-    def spy(mask, k):
-        given = s.engine.given_idx
-        idx = orig(mask, k)
-        seen.append(given is not None)
-        assert torch.equal(idx, torch.nonzero_static(mask, size=k).view(-1))
-        return idx
+    def spy(mask, lr, step, counts, **kw):
+        k = sum(map(sum, counts))
+        seen.append((mask.indices is not None, mask._dense is not None))
+        out = orig(mask, lr, step, counts, **kw)
+        assert torch.equal(mask.indices, torch.nonzero(mask.dense(keep=False)).view(-1))
+        assert mask.indices.numel() == k
+        return out
 
-    s.engine._mask_index = spy
+    s.engine.update = spy
     for t in range(1, 4):
         train_step(s, w, t, 0)
+        assert s._cur._dense is None or coding == "bitmap"   # none kept past the step
     given = coding == "elias_fano" or (coding != "bitmap" and native.lib(torch.zeros(1)) is not None)
-    assert seen[1:] == [given] * 2     # step 1's mask is built synchronously
+    assert seen[1:] == [(given, not given)] * 2     # step 1's mask is built synchronously
 
 
 def test_fused_default_and_invariants_one_worker():

@@ -72,6 +72,14 @@ def test_encode_and_decode_equal_the_torch_path(world, partitioner, coding, dens
     if idx_t is not None:
         assert torch.equal(idx, idx_t)
     assert set(plan.kinds()) <= {"all", "bitmap", "indices", "elias_fano"}
+    # what the step asks for: the indices alone, no bool mask written (C; torch for EF)
+    none_t, lean_t = plan.decode_with_indices(gathered, torch.device("cpu"), with_mask=False)
+    assert (none_t is None) == (idx_t is not None)
+    if idx_t is not None:
+        assert torch.equal(lean_t, idx_t)
+    torch_path(False)
+    none, lean = plan.decode_with_indices(gathered, torch.device("cpu"), with_mask=False)
+    assert none is None and torch.equal(lean, idx)
 
 
 def _ef_plan_and_bytes():
@@ -208,21 +216,25 @@ def test_device_op_counter_counts_the_c_loops_bytes():
 
 
 def test_decode_reuses_only_buffers_nothing_holds():
+    """The C decode's index vectors come from a pool of two; one still referenced (by a name or
+    a view) is never handed out again. Without ``with_mask`` no bool mask is written."""
     plan, gathered, _, _ = _ef_plan_and_bytes()
     cpu = torch.device("cpu")
-    m1, i1 = plan.decode_with_indices(gathered, cpu)
-    m2, i2 = plan.decode_with_indices(gathered, cpu)          # m1 is held: a new pair
-    assert m1.data_ptr() != m2.data_ptr() and i1.data_ptr() != i2.data_ptr()
-    view = m1[3:]                                              # a view holds m1's storage
-    ptr1 = m1.data_ptr()
-    del m1, i1
-    m3, i3 = plan.decode_with_indices(gathered, cpu)
-    assert m3.data_ptr() != ptr1
-    del view, m3, i3
-    m4, _ = plan.decode_with_indices(gathered, cpu)            # now a pooled pair is free
-    assert m4.data_ptr() == ptr1 and m4.data_ptr() in {g[0].data_ptr()
+    m1, i1 = plan.decode_with_indices(gathered, cpu, with_mask=False)
+    m2, i2 = plan.decode_with_indices(gathered, cpu, with_mask=False)   # i1 is held: a new one
+    assert m1 is None and m2 is None and i1.data_ptr() != i2.data_ptr()
+    view = i1[3:]                                              # a view holds i1's storage
+    ptr1 = i1.data_ptr()
+    del i1
+    _, i3 = plan.decode_with_indices(gathered, cpu, with_mask=False)
+    assert i3.data_ptr() != ptr1
+    del view, i3
+    _, i4 = plan.decode_with_indices(gathered, cpu, with_mask=False)   # now a pooled one is free
+    assert i4.data_ptr() == ptr1 and i4.data_ptr() in {g[0].data_ptr()
                                                        for g in plan._pool._groups}
-    assert torch.equal(m4, m2)
+    assert torch.equal(i4, i2)
+    mask, i5 = plan.decode_with_indices(gathered, cpu)         # with the mask: the same ones
+    assert torch.equal(i5, i2) and torch.equal(torch.nonzero(mask).view(-1), i2)
 
 
 @pytest.mark.parametrize("kind", ["add", "general", "cand"])

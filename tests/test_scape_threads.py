@@ -136,12 +136,12 @@ def _segments(idx: torch.Tensor, cuts: list[int]):
 CUTS = [200_003, 200_011, 777_777, 1_000_000]   # a tensor holding a few entries, rows mid-block
 
 
-def test_gather_take_ghat_count_at_are_the_same_on_any_number_of_threads():
+def test_gather_take_ghat_count_common_are_the_same_on_any_number_of_threads():
     g = torch.Generator().manual_seed(11)
     idx = _index_list(12)
     src0, m, rho0 = (torch.randn(N, generator=g) for _ in range(3))
     b0 = torch.randn(K, generator=g)
-    mask = torch.rand(N, generator=g) < 0.3
+    prev = _index_list(13, k=K // 2)             # another mask's indices (the overlap metric)
 
     def run():
         vals = torch.empty(K)
@@ -154,7 +154,7 @@ def test_gather_take_ghat_count_at_are_the_same_on_any_number_of_threads():
         b2 = b0.clone()
         sq_h2 = LIB.scape_ghat(K - 7, native.ptr(idx[7:]), 5, native.ptr(b2), None,
                                native.ptr(m), None, 0.9, 0.1)
-        n = LIB.scape_count_at(native.ptr(mask.view(torch.uint8)), native.ptr(idx), K)
+        n = LIB.scape_count_common(native.ptr(idx), K, native.ptr(prev), prev.numel())
         b3, m_at = b0.clone(), m[idx]            # the old m read from where it was gathered
         sq_h3 = LIB.scape_ghat(K, None, 0, native.ptr(b3), None, None, native.ptr(m_at), 0.9,
                                0.1)
@@ -175,7 +175,10 @@ def test_gather_take_ghat_count_at_are_the_same_on_any_number_of_threads():
     want_rho[idx] = 0.0
     assert torch.equal(rho, want_rho)
     assert torch.equal(b2[:K - 7], (m[idx[7:] - 5] * -0.9 + b0[:K - 7]) / torch.tensor(0.1))
-    assert n == int(mask[idx].sum())
+    both = torch.zeros(N, dtype=torch.int8)
+    both[idx] += 1
+    both[prev] += 1
+    assert n == int((both == 2).sum()) > 0
     for sq, v in [(sq_g, vals), (sq_t, vals), (sq_h, ghat)]:
         assert sq == pytest.approx(float(v.double().square().sum()), rel=1e-13)
     # the blocked order: each block of 2^16 entries summed in order, the blocks in order

@@ -13,7 +13,7 @@ from scape_train.optim import build_optimizer
 from scape_train.optim.comm import Comm
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.density import density_at, segment_k
-from scape_train.optim.scape.masks import MaskExchange, topk_own_mask
+from scape_train.optim.scape.masks import Mask, MaskExchange, overlap, topk_own_mask
 from scape_train.optim.scape.partition import ParamLayout, build_partition
 
 from ._optim_common import flat_params, make, tiny_model, train_step
@@ -221,3 +221,63 @@ def test_triton_kernels_path_equals_torch_path():
         train_step(b, wb, t, 0)
     assert torch.equal(flat_params(wa), flat_params(wb))
     assert torch.equal(a.mask_cur, b.mask_cur)
+
+
+# -- the step's mask: indices, its bool form on demand, the overlap metric ----------------------
+
+def test_a_mask_of_indices_makes_its_bool_form_on_demand():
+    idx = torch.tensor([0, 3, 4, 9, 10], dtype=torch.int64)
+    want = torch.zeros(11, dtype=torch.bool)
+    want[idx] = True
+    m = Mask(11, indices=idx)
+    assert torch.equal(m.dense(keep=False), want) and m._dense is None   # not kept
+    bits = m.dense()
+    assert torch.equal(bits, want) and m.dense() is bits                 # kept until settled
+    m.settle()                             # 5 ones of 11: the indices (40 B) > the bools (11 B)
+    assert m.indices is None and m.dense() is bits
+    assert torch.equal(m.index(5), idx)    # made again from the bool tensor
+    sparse = Mask(100, indices=idx)
+    sparse.dense()
+    sparse.settle()                        # 5 of 100: the indices are the smaller
+    assert sparse._dense is None and sparse.indices is idx
+    held = Mask.of(want)                   # a bool mask (the legacy coding, a checkpoint)
+    assert Mask.of(held) is held and Mask.of(None) is None
+    assert torch.equal(held.index(5), idx)
+    held.settle()                          # nothing was made: both forms as they are
+    assert held.dense() is want and torch.equal(held.indices, idx)
+    with pytest.raises(ValueError, match="bool tensor or its indices"):
+        Mask(11)
+    with pytest.raises(ValueError, match="11 elements"):
+        Mask(11, dense=torch.zeros(12, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("path", ["auto", "torch", "triton"])
+def test_overlap_from_the_index_lists_equals_the_full_size_and(path, monkeypatch):
+    """The masks' overlap metric from the two sorted index lists (C merge, Triton binary
+    search, torch searchsorted) equals the count of the bool masks' AND, including empty,
+    disjoint and identical lists and lengths that end mid-block."""
+    if path == "triton":
+        pytest.importorskip("triton")
+    if path == "torch":
+        monkeypatch.setenv("SCAPE_NATIVE", "0")
+    n = 50_021
+    g = torch.Generator().manual_seed(5)
+    base = torch.sort(torch.randperm(n, generator=g)[:3001]).values
+
+    def mask_of(idx):
+        return Mask(n, indices=idx)
+
+    cases = [(base, torch.sort(torch.randperm(n, generator=g)[:2500]).values),
+             (base, base.clone()), (base, base[1::2].clone()),
+             (base, torch.zeros(0, dtype=torch.int64)), (base[:0], base),
+             (base[::3].clone(), torch.arange(n - 1, dtype=torch.int64)),
+             (torch.tensor([n - 1]), torch.tensor([0, n - 1]))]
+    backend = "triton" if path == "triton" else "auto"
+    for a, b in cases:
+        want = int((mask_of(a).dense() & mask_of(b).dense()).sum())
+        got = overlap(mask_of(a), mask_of(b), backend)
+        assert isinstance(got, torch.Tensor) and int(got) == want, (a.numel(), b.numel())
+    # one side held only as a bool mask: the full-size AND
+    a, b = cases[0]
+    assert int(overlap(mask_of(a), Mask.of(mask_of(b).dense()), backend)) == int(
+        (mask_of(a).dense() & mask_of(b).dense()).sum())

@@ -55,7 +55,7 @@ def _assert_same(tri: dict, c: dict) -> None:
     for mt, mc in zip(tri["metrics"], c["metrics"]):
         for k in ("grad_norm", "scape/residual_norm", "scape/payload_numel"):
             assert mt[k] == pytest.approx(mc[k], rel=1e-12, abs=1e-15), k
-        assert mt.get("scape/mask_overlap") == mc.get("scape/mask_overlap")   # count_at
+        assert mt.get("scape/mask_overlap") == mc.get("scape/mask_overlap")   # count_common
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -176,12 +176,13 @@ def test_k_sized_passes_over_whole_blocks_and_a_tail(k):
                     lib.scape_ghat(k, p, 0, v, None, native.ptr(m), native.ptr(mc) + 4 * start,
                                    0.9, 0.1),
                     lib.scape_take(k, p, native.ptr(s), v)]
-            zero = (s == 0).to(torch.uint8)            # held: its pointer goes to the pass
-            sums.append(lib.scape_count_at(native.ptr(zero), p, k))
+            zero = torch.nonzero(s == 0).view(-1)      # held: its pointer goes to the pass
+            sums.append(lib.scape_count_common(p, k, native.ptr(zero), zero.numel()))
             assert torch.equal(mc[start:], m[idx[start:]])   # the old m at the mask, stored
             out[name] = ([float(x) for x in sums], s, vals[start:], m)
         (cs, *ct), (ts, *tt) = out["c"], out["triton"]
         for a, b in zip(ct, tt):
             assert torch.equal(a, b)
         assert ts == pytest.approx(cs, rel=1e-12)
-        assert ts[3] == k                          # every taken position is zero now
+        assert ts[3] == k                          # every taken position is zero now, and
+        # found among the zeros (a list of its own, a length of its own)

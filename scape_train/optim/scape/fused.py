@@ -47,7 +47,7 @@ import struct
 import torch
 
 from . import native, passes
-from .kernels import nonzero_sorted
+from .masks import Mask
 from .replicated import ReplicatedScape, clip_coef
 from .sharded import ShardedScape
 
@@ -117,8 +117,7 @@ class _FusedMixin:
         self.fast = False
         self._pidx: torch.Tensor | None = None      # previous mask's indices (m's support)
         self._idx: torch.Tensor | None = None
-        self.given_idx: torch.Tensor | None = None  # M_t's sorted indices, from the decode
-        self.given_counts: list[list[int]] | None = None   # and its ones per segment
+        self.given_counts: list[list[int]] | None = None   # M_t's ones per segment
         self._plans: dict[tuple, tuple] = {}
         lay = self.layout
         by_wd: dict[float, list[int]] = {}
@@ -320,21 +319,15 @@ class _FusedMixin:
         theta_c.addcdiv_(m_new, denom, value=-step_size)
         return m_new
 
-    def _given(self) -> torch.Tensor | None:
+    def _given(self, mask: Mask | None) -> torch.Tensor | None:
         """M_t's indices from the decode when they hold the plan's ones (what
-        :meth:`_mask_index` will return), for a prepare that walks them; else ``None``."""
-        idx, counts = self.given_idx, self.given_counts
+        ``mask.index`` will return to the update), for a prepare that walks them; else
+        ``None``."""
+        counts = self.given_counts
+        idx = None if mask is None else mask.indices
         if idx is None or counts is None or idx.numel() != sum(map(sum, counts)):
             return None
         return idx
-
-    def _mask_index(self, mask: torch.Tensor, k: int) -> torch.Tensor:
-        """The mask's ``k`` flat indices, increasing: from the decode when it produced them,
-        else one ``nonzero_static`` pass over the mask."""
-        idx, self.given_idx = self.given_idx, None
-        if idx is not None and idx.numel() == k:
-            return idx
-        return nonzero_sorted(mask, k)
 
     def _set_momentum(self, m: torch.Tensor, idx: torch.Tensor, m_new: torch.Tensor) -> None:
         """``m ← 0`` off the mask (only the previous mask can be nonzero), ``m[idx] ← m_new``."""
@@ -345,7 +338,7 @@ class _FusedMixin:
         m.index_copy_(0, idx, m_new)
         self._pidx = idx
 
-    def finish_residual(self, mask: torch.Tensor) -> None:
+    def finish_residual(self, mask: Mask) -> None:
         """The reference path's residual fold; the fused path folds in its update."""
         if not self.fast:
             super().finish_residual(mask)
@@ -369,7 +362,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._cut = None                    # Σ_M c² from the C / Triton payload gather
         self._payload = None                # (M_t's indices, c there, m there): the prepare's
 
-    def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
+    def prepare(self, g, mask: Mask | None) -> torch.Tensor:
         """``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
         ``p.grad``, consumed: scaled in place), or the flat gradient on the reference path. The
         residual fold ``e = (1-M)⊙c`` happens in :meth:`finish_step`, after the top-k read ``c``."""
@@ -383,7 +376,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._c_sq, self._payload = None, None
         lib = self._passes(g)
         rows, gtab, numels = self._grad_table(g) if lib is not None else (0, None, None)
-        idx = self._given()                 # M_t's indices, when the decode gave them
+        idx = self._given(mask)             # M_t's indices, when the decode gave them
         if self._pidx is not None and rows == 1 and idx is not None:
             # the two lines below, the payload gather and m's (m then zeroed on its support:
             # the update sets it at M_t from mc) in one walk of one flat gradient
@@ -420,7 +413,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         lo, hi = self.part.ranges[self.comm.rank]
         return e[lo:hi]
 
-    def update(self, mask: torch.Tensor, lr: float, step: int, counts: list[list[int]],
+    def update(self, mask: Mask, lr: float, step: int, counts: list[list[int]],
                during_payload=None) -> dict[str, float]:
         """The reference's update, O(k); ``during_payload`` (the next mask's top-k, which reads
         the candidate only) runs while the payload's all-reduce is in flight."""
@@ -432,7 +425,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         if self.record:
             self.last = {"c": c.clone(), "m_prev": self.m.clone()}
         k = sum(map(sum, counts))
-        idx = self._mask_index(mask, k)
+        idx = mask.index(k)
         lib = self._passes()
         if lib is not None:
             return self._update_passes(lib, idx, k, counts, lr, step, during_payload)
@@ -528,7 +521,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self._taken = None                  # the payload's rows etc., taken by the prepare
         self._cand_pool = native.BufferPool(1)  # c^(o), read by the top-k, then free
 
-    def prepare(self, g, mask: torch.Tensor | None) -> torch.Tensor:
+    def prepare(self, g, mask: Mask | None) -> torch.Tensor:
         """``ε ← x = (1-β1)·g + ε`` (``g``: per-tensor gradients, consumed), ``ρ ← base``;
         returns ``c^(o) = base + x`` on the own range."""
         if not self.fast:
@@ -542,7 +535,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             p = self._pidx_own
             (cand,) = self._cand_pool.get(((self.hi - self.lo,), torch.float32),
                                           device=eps_.device)
-            idx = self._given()
+            idx = self._given(mask)
             if rows == 1 and idx is not None:
                 self._taken = self._prepare_take(lib, g[0], eps_, cand, idx, self.given_counts)
                 self._x = eps_
@@ -585,7 +578,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
                                     native.ptr(rho_at), beta1, 1.0 - beta1)
         return idx, send, mc, rho_at, sq
 
-    def update(self, mask: torch.Tensor, lr: float, step: int, seg_counts: list[list[int]],
+    def update(self, mask: Mask, lr: float, step: int, seg_counts: list[list[int]],
                during_payload=None) -> dict[str, float]:
         """The reference's update, O(k); ``during_payload`` runs while the payload's
         reduce-scatter is in flight (it reads the owner's candidate, a buffer of its own)."""
@@ -601,7 +594,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         width = max(1, max(counts))
         total = sum(counts)
         starts = [sum(counts[:r]) for r in range(world)]
-        idx = self._mask_index(mask, total)
+        idx = mask.index(total)
         lib = self._passes()
         if lib is not None:
             return self._update_passes(lib, idx, seg_counts, counts, starts, width, lr, step,

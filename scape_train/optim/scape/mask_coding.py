@@ -249,7 +249,7 @@ class MaskPlan:
         self._tables: dict = {}
         self._ef: dict = {}          # per device: the Elias-Fano decode tables (_ef_tables)
         self._triton: dict = {}      # the Triton path's task tables (triton_codecs)
-        self._pool = native.BufferPool(2)   # the C decode's (mask, indices) pairs
+        self._pool = native.BufferPool(2)   # the C decode's index vectors
 
     def drop_decode_tables(self) -> None:
         """Free the per-one decode tables and buffers (a plan no longer in use)."""
@@ -315,45 +315,55 @@ class MaskPlan:
         return self.decode_with_indices(gathered, device, backend)[0]
 
     def decode_with_indices(self, gathered: torch.Tensor | None, device: torch.device,
-                            backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(mask, indices)``: the full bool mask and, when every segment is Elias-Fano coded
-        or all ones, the flat indices of its ones in increasing order (what
-        ``nonzero_static(mask)`` gives, without the full-size pass); else ``None``. The C path
-        gives them for every coding (unless the whole plan is all ones), the Triton path always."""
-        self._indices = None
-        mask = self._decode(gathered, device, backend)
-        idx, self._indices = self._indices, None
-        return mask, idx
-
-    def _decode(self, gathered: torch.Tensor | None, device: torch.device,
-                backend: str = "auto") -> torch.Tensor:
+                            backend: str = "auto", with_mask: bool = True
+                            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(mask, indices)``: the full bool mask and the flat indices of its ones in
+        increasing order (what ``nonzero_static(mask)`` gives, without the full-size pass), or
+        ``None`` for the indices where this decode does not make them: the C path makes them
+        for every coding (unless the whole plan is all ones), the Triton path always, the torch
+        path when every segment is Elias-Fano coded or all ones. ``with_mask=False``: the bool
+        mask is not written (``None``) wherever the indices are made."""
         if self.legacy:
-            assert gathered is not None
-            pieces = []
-            for r, n in enumerate(self.lengths):
-                if n:
-                    b = gathered[r * self.shard_bytes: r * self.shard_bytes + packed_numel(n)]
-                    pieces.append(unpack_bits(b, n, backend=backend))
-            mask = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.bool)
-            if mask.numel() != self.total:
-                raise RuntimeError(f"assembled mask has {mask.numel()} bits, expected {self.total}")
-            return mask
+            return self._decode_bitmap(gathered, backend), None
         probe = gathered if gathered is not None else torch.empty(0, device=device)
         if resolve_backend(backend, probe) == "triton":     # every coding, indices included
-            mask, self._indices = _triton_codecs().decode_mask(
-                self.segs, self.shard_bytes, self.total, gathered, device, self._triton)
-            return mask
+            return _triton_codecs().decode_mask(self.segs, self.shard_bytes, self.total, gathered,
+                                                device, self._triton, with_mask)
         tables = self._device_tables(device)
         if tables["all_ones"]:
-            return torch.ones(self.total, dtype=torch.bool, device=device)
+            return torch.ones(self.total, dtype=torch.bool, device=device), None
         lib = native.lib(probe)
         if lib is not None and (gathered is None or gathered.is_contiguous()):
-            return self._decode_native(lib, gathered, device)
-        mask = torch.zeros(self.total, dtype=torch.bool, device=device)
-        if tables["implicit"].numel():
+            return self._decode_native(lib, gathered, device, with_mask)
+        return self._decode_torch(tables, gathered, device, backend, with_mask)
+
+    def _decode_bitmap(self, gathered: torch.Tensor | None, backend: str) -> torch.Tensor:
+        """The legacy whole-range format: each owner's packed range, unpacked."""
+        assert gathered is not None
+        pieces = []
+        for r, n in enumerate(self.lengths):
+            if n:
+                b = gathered[r * self.shard_bytes: r * self.shard_bytes + packed_numel(n)]
+                pieces.append(unpack_bits(b, n, backend=backend))
+        mask = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.bool)
+        if mask.numel() != self.total:
+            raise RuntimeError(f"assembled mask has {mask.numel()} bits, expected {self.total}")
+        return mask
+
+    def _decode_torch(self, tables: dict, gathered: torch.Tensor | None, device: torch.device,
+                      backend: str, with_mask: bool
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The decode in torch ops (no C compiler, a device without Triton, the plan's fake
+        tensor trace); the indices when every segment is Elias-Fano coded or all ones."""
+        ef_grp = tables[ELIAS_FANO]
+        ef = (_ef_tables(self, ef_grp, device) if ef_grp is not None and ef_grp.ones
+              else None)
+        lean = not with_mask and ef is not None and ef["sorted"] is not None
+        mask = None if lean else torch.zeros(self.total, dtype=torch.bool, device=device)
+        if mask is not None and tables["implicit"].numel():
             mask.index_fill_(0, tables["implicit"], True)
         if self.shard_bytes == 0:
-            return mask
+            return mask, None
         assert gathered is not None
         buf = torch.cat([gathered, gathered.new_zeros(8)])
         for r, codes in enumerate(self.segs):
@@ -362,7 +372,7 @@ class MaskPlan:
                     a = r * self.shard_bytes + s.off
                     mask[s.flat_start:s.flat_start + s.numel] = unpack_bits(
                         gathered[a:a + s.high_bytes], s.numel, backend=backend)
-        found = []
+        found, indices = [], None
         grp = tables[INDICES]
         if grp is not None and grp.ones:
             seg = grp.seg_of(grp.k, grp.ones)
@@ -370,11 +380,9 @@ class MaskPlan:
             width = grp.width[seg]
             found.append(grp.flat_start[seg] + _read_fields(buf, grp.low_bit[seg] + within * width,
                                                             width))
-        grp = tables[ELIAS_FANO]
-        if grp is not None and grp.ones:
+        if ef is not None:
             # every position-only quantity (field start bits, widths, offsets) comes from the
             # plan: computed once per plan (see _ef_tables), not per step
-            ef = _ef_tables(self, grp, device)
             word = buf.index_select(0, ef["byte"]).long()
             for i in range(1, ef["nread"]):
                 word |= buf.index_select(0, ef["byte"] + i).long() << (8 * i)
@@ -382,25 +390,26 @@ class MaskPlan:
             del word                            # (in place: low is word's storage)
             # the upper bit vectors, concatenated: segment g holds exactly k_g ones, so the
             # j-th one overall belongs to segment g; its high part is pos - (8·hcum_g + j_g)
-            bits = unpack_bits(gathered.index_select(0, ef["bidx"]), 8 * grp.high_total,
+            bits = unpack_bits(gathered.index_select(0, ef["bidx"]), 8 * ef_grp.high_total,
                                backend=backend)
-            pos = nonzero_sorted(bits, grp.ones)
+            pos = nonzero_sorted(bits, ef_grp.ones)
             del bits                            # temporaries go as soon as they are used:
             # the decode's peak is a few index vectors, not every intermediate at once
             pos.sub_(ef["high_base"]).bitwise_left_shift_(ef["width"]).add_(low)
             del low
             found.append(pos.add_(ef["flat_start"]))
             if ef["sorted"] is not None:        # the plan's other segments are all ones
-                self._indices = ef["sorted"].clone().index_copy_(0, ef["dest"], found[-1])
+                indices = ef["sorted"].clone().index_copy_(0, ef["dest"], found[-1])
         del buf
-        if found:
+        if found and mask is not None:
             mask.index_fill_(0, found[0] if len(found) == 1 else torch.cat(found), True)
-        return mask
+        return mask, indices
 
-    def _decode_native(self, lib, gathered: torch.Tensor | None, device: torch.device
-                       ) -> torch.Tensor:
-        """The C decode (native/scape_cpu.c): one loop over the segments writes the mask and
-        the sorted indices of its ones (every coding), no per-one int64 temporaries."""
+    def _decode_native(self, lib, gathered: torch.Tensor | None, device: torch.device,
+                       with_mask: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The C decode (native/scape_cpu.c): one loop over the segments writes the sorted
+        indices of the ones (every coding) and, ``with_mask``, the mask; no per-one int64
+        temporaries."""
         if "native" not in self._tables:
             rows = []
             for r, codes in enumerate(self.segs):
@@ -412,8 +421,9 @@ class MaskPlan:
                                       sum(s.numel if s.kind == ALL else s.k
                                           for codes in self.segs for s in codes))
         tab, ones = self._tables["native"]
-        # the mask of two steps ago is free again: no fresh 50 MB block (page faults) per step
-        mask, idx = self._pool.get(((self.total,), torch.bool), ((ones,), torch.int64))
+        # the indices of two steps ago are free again: no fresh block (page faults) per step
+        (idx,) = self._pool.get(((ones,), torch.int64))
+        mask = torch.empty(self.total, dtype=torch.bool) if with_mask else None
         n = 0 if gathered is None else gathered.numel()
         got = lib.scape_mask_decode(tab.shape[0], native.ptr(tab), native.ptr(gathered), n,
                                     native.ptr(mask), self.total, native.ptr(idx), ones)
@@ -422,8 +432,7 @@ class MaskPlan:
                      f" (segment at flat {int(tab[-1 - got, 1])})")
             raise RuntimeError(f"mask decode: the gathered bytes do not match the plan{where}; "
                                f"{got} ones decoded, {ones} expected")
-        self._indices = idx
-        return mask
+        return mask, idx
 
     def _device_tables(self, device: torch.device) -> dict:
         key = str(device)

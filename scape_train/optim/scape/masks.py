@@ -14,7 +14,7 @@ import torch
 
 from ..comm import Comm, Handle
 from ..density import segment_k
-from . import native
+from . import native, passes
 from .kernels import host_reads_ok, nonzero_sorted
 from .mask_coding import MaskPlan
 from .partition import ParamLayout, PartitionMap
@@ -118,28 +118,114 @@ def measured_counts(mask: torch.Tensor, part: PartitionMap) -> list[list[int]]:
     return out
 
 
+class Mask:
+    """A mask M_t as the step holds it: the sorted flat indices of its ones, its full bool
+    tensor, or both.
+
+    The C and Triton decodes give the indices and write no bool tensor: the fused step walks the
+    indices only, so no full-size mask is held across steps. The bool form -- what the
+    reference engines, checkpoints and the legacy ``bitmap`` coding use -- is made from the
+    indices on demand by :meth:`dense`; at the end of each step the strategy keeps the smaller
+    of the two forms (:meth:`settle`)."""
+
+    def __init__(self, total: int, *, dense: torch.Tensor | None = None,
+                 indices: torch.Tensor | None = None):
+        if dense is None and indices is None:
+            raise ValueError("a Mask needs its bool tensor or its indices")
+        if dense is not None and dense.numel() != total:
+            raise ValueError(f"a mask of {total} elements, got {dense.numel()} bits")
+        self.total = total
+        self._dense, self.indices, self._made = dense, indices, False
+
+    @classmethod
+    def of(cls, dense: "torch.Tensor | Mask | None") -> "Mask | None":
+        """``dense`` (a bool tensor, or already a Mask) as a Mask."""
+        if dense is None or isinstance(dense, Mask):
+            return dense
+        return cls(dense.numel(), dense=dense)
+
+    @property
+    def device(self) -> torch.device:
+        return (self._dense if self._dense is not None else self.indices).device
+
+    def dense(self, keep: bool = True) -> torch.Tensor:
+        """The full bool tensor: the one held, else made from the indices (one zero fill, one
+        index fill), kept for the next call unless ``keep`` is false."""
+        if self._dense is not None:
+            return self._dense
+        assert self.indices is not None
+        out = torch.zeros(self.total, dtype=torch.bool, device=self.indices.device)
+        out.index_fill_(0, self.indices, True)
+        if keep:
+            self._dense, self._made = out, True
+        return out
+
+    def settle(self) -> None:
+        """Keep one form between steps: the indices when no bool tensor was made from them
+        (the fused step, whose engine holds them anyway as m's support) or when they are the
+        smaller (8 bytes per one against 1 per element: a mask under 1/8 dense); else the bool
+        tensor (a reference step at a warm-up's high density)."""
+        if not self._made:
+            return
+        assert self.indices is not None and self._dense is not None
+        if 8 * self.indices.numel() > self.total:
+            self.indices = None           # the bool tensor is the mask now
+        else:
+            self._dense = None
+        self._made = False
+
+    def index(self, count: int) -> torch.Tensor:
+        """The ``count`` flat indices of the ones, increasing: the decode's, else one
+        ``nonzero_static`` pass over the bool tensor (kept: the fused step reads them again as
+        the next step's previous mask)."""
+        if self.indices is None or self.indices.numel() != count:
+            self.indices = nonzero_sorted(self.dense(), count)
+        return self.indices
+
+
+def overlap(cur: Mask, prev: Mask, backend: str = "auto") -> torch.Tensor:
+    """Ones of ``cur`` that ``prev`` has too (the masks' temporal stability metric), as a
+    tensor: from both index lists when both have them (a merge in the C loops, a binary search
+    per one in Triton, ``searchsorted`` in torch: O(k), no full-size read), else one full-size
+    AND of the bool tensors."""
+    a, b = cur.indices, prev.indices
+    if a is None or b is None:
+        return torch.count_nonzero(cur.dense(keep=False) & prev.dense(keep=False))
+    lib = passes.lib(backend, a)
+    if lib is not None and a.is_contiguous() and b.is_contiguous():
+        n = lib.scape_count_common(native.ptr(a), a.numel(), native.ptr(b), b.numel())
+        return n if lib.on_device else torch.tensor(n)
+    if not b.numel():
+        return torch.zeros((), dtype=torch.int64, device=a.device)
+    at = torch.searchsorted(b, a).clamp_max_(b.numel() - 1)
+    return torch.count_nonzero(b.index_select(0, at) == a)
+
+
 class PendingMask:
-    """An in-flight next-mask all-gather; :meth:`wait` returns the full bool mask."""
+    """An in-flight next-mask all-gather; :meth:`mask` returns the decoded :class:`Mask`."""
 
     def __init__(self, handle: Handle | None, gathered: torch.Tensor | None,
-                 exchange: "MaskExchange", ready: torch.Tensor | None = None,
+                 exchange: "MaskExchange", ready: "torch.Tensor | Mask | None" = None,
                  plan: MaskPlan | None = None):
         self._handle, self._gathered, self._exchange = handle, gathered, exchange
         self._plan = plan
-        self._mask = ready
-        self.indices: torch.Tensor | None = None   # the mask's sorted flat indices, if decoded
+        self._mask = Mask.of(ready)
 
-    def wait(self) -> torch.Tensor:
+    def mask(self) -> Mask:
+        """The mask, once gathered and decoded (waits for the all-gather)."""
         if self._mask is None:
             assert self._handle is not None and self._gathered is not None
             self._handle.wait()
-            self._mask, self.indices = self._exchange.assemble_with_indices(self._gathered,
-                                                                             self._plan)
+            self._mask = self._exchange.assemble_mask(self._gathered, self._plan)
             self._gathered = None
         return self._mask
 
+    def wait(self) -> torch.Tensor:
+        """The full bool mask (made from the indices, not kept)."""
+        return self.mask().dense(keep=False)
+
     @classmethod
-    def ready(cls, mask: torch.Tensor, exchange: "MaskExchange") -> "PendingMask":
+    def ready(cls, mask: "torch.Tensor | Mask", exchange: "MaskExchange") -> "PendingMask":
         return cls(None, None, exchange, ready=mask)
 
 
@@ -198,13 +284,15 @@ class MaskExchange:
         handle = self.comm.all_gather(gathered, shard, kind="mask", async_op=async_op)
         return PendingMask(handle, gathered, self, plan=plan)
 
-    def assemble_with_indices(self, gathered: torch.Tensor, plan: MaskPlan | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(mask, indices or None)``: see :meth:`MaskPlan.decode_with_indices`."""
+    def assemble_mask(self, gathered: torch.Tensor, plan: MaskPlan | None = None) -> Mask:
+        """The :class:`Mask` from every owner's shard: its indices where the decode gives them
+        (no bool tensor written), else its bool tensor (:meth:`MaskPlan.decode_with_indices`)."""
         plan = plan if plan is not None else self.plan(1.0)
         if plan.legacy:
-            return plan.decode(gathered, gathered.device, self.backend), None
-        return plan.decode_with_indices(gathered, gathered.device, self.backend)
+            return Mask.of(plan.decode(gathered, gathered.device, self.backend))
+        dense, idx = plan.decode_with_indices(gathered, gathered.device, self.backend,
+                                              with_mask=False)
+        return Mask(self.total, dense=dense, indices=idx)
 
     def assemble(self, gathered: torch.Tensor, plan: MaskPlan | None = None) -> torch.Tensor:
         plan = plan if plan is not None else self.plan(1.0)

@@ -19,6 +19,7 @@ from ..adams import adams_update_
 from ..comm import Comm
 from ..config import OptimizerConfig
 from .kernels import gather_masked, scatter_masked
+from .masks import Mask
 from .partition import ParamLayout, PartitionMap
 from .payload import PayloadCodec, all_reduce_mean
 from .residual import ResidualStore
@@ -45,48 +46,49 @@ class ReplicatedScape:
         self._res_sq = torch.zeros((), dtype=torch.float64, device=dev)
 
     # -- line 1 (and 3) ------------------------------------------------------------------------
-    def prepare(self, g: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def prepare(self, g: torch.Tensor, mask: Mask | None) -> torch.Tensor:
         """Local candidate ``c``; folds the residual when ``mask`` is known. Returns ``c`` on the
         owned range (the next-mask statistic)."""
         beta1 = self.cfg.betas[0]
         c = torch.mul(self.m, beta1).add_(g, alpha=1.0 - beta1)
-        self._res_sq = self.residual.fold(c, mask)
+        self._res_sq = self.residual.fold(c, None if mask is None else mask.dense())
         self._c = c
         lo, hi = self.part.ranges[self.comm.rank]
         return c[lo:hi]
 
-    def finish_residual(self, mask: torch.Tensor) -> None:
+    def finish_residual(self, mask: Mask) -> None:
         assert self._c is not None
-        self._res_sq = self.residual.set_from(self._c, mask)
+        self._res_sq = self.residual.set_from(self._c, mask.dense())
 
     # -- lines 2, 4-7 --------------------------------------------------------------------------
-    def update(self, mask: torch.Tensor, lr: float, step: int, counts: list[list[int]],
+    def update(self, mask: Mask, lr: float, step: int, counts: list[list[int]],
                during_payload=None) -> dict[str, float]:
         """``counts``: the mask's ones per segment of every rank, known on the host (the density
         schedule), so that no size is read back from the device. ``during_payload``: work to
         overlap with the payload's collective; this engine leaves it to the caller."""
+        bits = mask.dense()     # M_t's bool tensor: the reference reads the mask whole
         cfg, c = self.cfg, self._c
         assert c is not None, "prepare() first"
         beta1, beta2 = cfg.betas
         if self.record:
             self.last = {"c": c.clone(), "m_prev": self.m.clone()}
         k = sum(map(sum, counts))
-        payload = gather_masked(c, mask, backend=self.backend, count=k)
+        payload = gather_masked(c, bits, backend=self.backend, count=k)
         if self.codec.lowp:
             # the mean, identical on every rank; this rank's error goes into its residual
             payload, err = all_reduce_mean(payload, self.comm, self.codec, kind="payload")
-            self._res_sq = self._res_sq + self.residual.set_masked(err, mask, k, self.backend)
+            self._res_sq = self._res_sq + self.residual.set_masked(err, bits, k, self.backend)
             if self.record:
                 self.last["wire_error"] = err.clone()
         else:
             self.comm.all_reduce(payload, kind="payload", average=True)
-        ghat_c = gather_masked(self.m, mask, backend=self.backend, count=k)
+        ghat_c = gather_masked(self.m, bits, backend=self.backend, count=k)
         ghat_c.mul_(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
         norm = torch.linalg.vector_norm(ghat_c)
         if cfg.clip_grad > 0:
             ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
         ghat = torch.zeros_like(c)
-        scatter_masked(ghat_c, mask, ghat, backend=self.backend, count=k)
+        scatter_masked(ghat_c, bits, ghat, backend=self.backend, count=k)
         if self.record:
             self.last.update(payload=payload.clone(), ghat=ghat.clone())
         for i, p in enumerate(self.layout.params):
@@ -94,7 +96,7 @@ class ReplicatedScape:
             adams_update_(p.data.view(-1), self.m[a:b], ghat[a:b], step=step, lr=lr,
                           beta1=beta1, beta2=beta2, eps=cfg.eps,
                           weight_decay=self.layout.weight_decay[i],
-                          bias_correction=cfg.bias_correction, mask=mask[a:b])
+                          bias_correction=cfg.bias_correction, mask=bits[a:b])
         self._c = None
         return {"grad_norm": norm, "scape/payload_numel": float(k),
                 "scape/residual_norm": self._res_sq.sqrt()}

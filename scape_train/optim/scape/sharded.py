@@ -25,6 +25,7 @@ from ..adams import adams_update_
 from ..comm import Comm
 from ..config import OptimizerConfig
 from .kernels import gather_masked, scatter_masked
+from .masks import Mask
 from .partition import ParamLayout, PartitionMap
 from .payload import PayloadCodec, all_gather_rows, reduce_scatter_mean
 from .replicated import clip_coef
@@ -53,25 +54,26 @@ class ShardedScape:
         self._x: torch.Tensor | None = None
         self._res_sq = torch.zeros((), dtype=torch.float64, device=dev)
 
-    def prepare(self, g: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def prepare(self, g: torch.Tensor, mask: Mask | None) -> torch.Tensor:
         x = torch.mul(g, 1.0 - self.cfg.betas[0])
-        self._res_sq = self.residual.fold(x, mask)
+        self._res_sq = self.residual.fold(x, None if mask is None else mask.dense())
         self._x = x
         return self._base().add_(x[self.lo:self.hi])                  # = c^(o) on the own range
 
-    def finish_residual(self, mask: torch.Tensor) -> None:
+    def finish_residual(self, mask: Mask) -> None:
         assert self._x is not None
-        self._res_sq = self.residual.set_from(self._x, mask)
+        self._res_sq = self.residual.set_from(self._x, mask.dense())
 
     def _base(self) -> torch.Tensor:
         return torch.mul(self.m, self.cfg.betas[0]).add_(self.rho)
 
-    def update(self, mask: torch.Tensor, lr: float, step: int, seg_counts: list[list[int]],
+    def update(self, mask: Mask, lr: float, step: int, seg_counts: list[list[int]],
                during_payload=None) -> dict[str, float]:
         """``seg_counts``: the mask's ones per segment of every rank, known on the host (the
         density schedule): every size below follows from it, none is read from the device.
         ``during_payload``: work to overlap with the payload's collective; this engine leaves it
         to the caller."""
+        bits = mask.dense()     # M_t's bool tensor: the reference reads the mask whole
         cfg, x, comm, lay = self.cfg, self._x, self.comm, self.layout
         assert x is not None, "prepare() first"
         beta1, beta2 = cfg.betas
@@ -82,7 +84,7 @@ class ShardedScape:
         width = max(1, max(counts))
         # Payload: this rank's x at every mask position, in flat order = owner order; pad each
         # owner's piece to ``width`` so one reduce-scatter hands each owner its piece.
-        payload = gather_masked(x, mask, backend=self.backend, count=sum(counts))
+        payload = gather_masked(x, bits, backend=self.backend, count=sum(counts))
         send = torch.zeros(world * width, dtype=torch.float32, device=x.device)
         start = 0
         for r, k in enumerate(counts):
@@ -95,7 +97,7 @@ class ShardedScape:
                                              kind="payload")
             err = send.view(world, width).sub_(sent)
             err_c = torch.cat([err[r, :k] for r, k in enumerate(counts)])
-            self._res_sq = self._res_sq + self.residual.set_masked(err_c, mask, err_c.numel(),
+            self._res_sq = self._res_sq + self.residual.set_masked(err_c, bits, err_c.numel(),
                                                                    self.backend)
             if self.record:
                 self.last["wire_error"] = err_c.clone()
@@ -105,7 +107,7 @@ class ShardedScape:
         if self.record:
             self.last["reduced"] = recv[:counts[rank]].clone()
         k_own = counts[rank]
-        own_mask = mask[self.lo:self.hi]
+        own_mask = bits[self.lo:self.hi]
         base = self._base()
         b_c = recv[:k_own].add_(gather_masked(base, own_mask, backend=self.backend, count=k_own))
         ghat_c = gather_masked(self.m, own_mask, backend=self.backend, count=k_own)
@@ -127,9 +129,9 @@ class ShardedScape:
                           weight_decay=lay.weight_decay[seg.tensor],
                           bias_correction=cfg.bias_correction, mask=own_mask[sl])
         if self.codec.lowp:
-            self._sync_param_updates(mask, lr, counts, seg_counts, width, decayed)
+            self._sync_param_updates(bits, lr, counts, seg_counts, width, decayed)
         else:
-            self._sync_params(mask, lr, counts, seg_counts, width)
+            self._sync_params(bits, lr, counts, seg_counts, width)
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(payload.numel()),
                 "scape/residual_norm": self._res_sq.sqrt()}

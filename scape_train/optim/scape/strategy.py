@@ -24,9 +24,9 @@ from ..config import OptimizerConfig
 from ..density import density_at
 from ..grad_buffer import FlatGradBuffer
 from ..state import FlatShard, ShardSource, StateParts
-from . import native, passes
 from .kernels import pack_bits, resolve_backend, unpack_bits
-from .masks import MaskExchange, PendingMask, mask_counts, measured_counts, topk_own_mask
+from .masks import (Mask, MaskExchange, PendingMask, mask_counts, measured_counts, overlap,
+                    topk_own_mask)
 from .partition import ParamLayout, build_partition
 from .fused import FusedReplicatedScape, FusedShardedScape
 from .replicated import ReplicatedScape
@@ -69,7 +69,7 @@ class ScapeStrategy(OptimizerStrategy):
         self.grad_buffer = (FlatGradBuffer(self.layout.names, self.layout.params, "SCAPE step")
                             if cfg.flat_grads else None)
         self.steps_done = 0
-        self.mask_cur: torch.Tensor | None = None
+        self._cur: Mask | None = None    # the last step's M_t (its indices, where decoded)
         self._pending: PendingMask | None = None
         # ones per segment of a mask at density d, by d: sizes known on the host, not read back
         self._counts: dict[float, list[list[int]]] = {}
@@ -122,9 +122,23 @@ class ScapeStrategy(OptimizerStrategy):
             self._counts[density] = mask_counts(self.part, self.layout, min(density, 1.0))
         return self._counts[density]
 
+    @property
+    def mask_cur(self) -> torch.Tensor | None:
+        """M_t of the last step as a bool tensor (made from its indices: not kept)."""
+        return None if self._cur is None else self._cur.dense(keep=False)
+
+    @mask_cur.setter
+    def mask_cur(self, mask: torch.Tensor | None) -> None:
+        self._cur = Mask.of(mask)
+
     def next_mask(self) -> torch.Tensor | None:
-        """M_{t+1} (waits for the all-gather if it is still in flight)."""
-        return None if self._pending is None else self._pending.wait()
+        """M_{t+1} as a bool tensor (waits for the all-gather if it is still in flight)."""
+        nxt = self._next()
+        return None if nxt is None else nxt.dense(keep=False)
+
+    def _next(self) -> Mask | None:
+        """M_{t+1}, gathered and decoded (waits for the all-gather if it is still in flight)."""
+        return None if self._pending is None else self._pending.mask()
 
     @torch.no_grad()
     def step(self, lr: float) -> dict[str, float]:
@@ -137,12 +151,11 @@ class ScapeStrategy(OptimizerStrategy):
         ones = sum(map(sum, counts))
         fast = self.engine.select_path(ones)
         g = self._grads() if fast else self._flat_grads()
-        prev = self.mask_cur
-        mask = self.next_mask()              # the one wait: M_t, gathered during fwd/bwd
-        prev_idx = getattr(self.engine, "_pidx", None)   # fused: M_{t-1}'s indices
-        if hasattr(self.engine, "given_idx"):   # fused: M_t's, when the decode has them (the
-            # prepare gathers the payload on its way, the update indexes by them)
-            self.engine.given_idx = None if self._pending is None else self._pending.indices
+        prev = self._cur
+        # the one wait: M_t, gathered during fwd/bwd, decoded to its indices (the fused engines
+        # walk them; the reference engines make its bool tensor)
+        mask = self._next()
+        if hasattr(self.engine, "given_counts"):   # fused: its ones per segment (host-known)
             self.engine.given_counts = counts
         stat = self.engine.prepare(g, mask)
         if mask is None:                     # first step: build M_1 synchronously
@@ -157,29 +170,20 @@ class ScapeStrategy(OptimizerStrategy):
         own_bits = next_topk()
         self._pending = self.exchange.start(own_bits, d_next, async_op=True)
         metrics.update(self.engine.finish_step())   # after the top-k has read the candidate
-        self.mask_cur, self.steps_done = mask, t
+        self._cur, self.steps_done = mask, t
         metrics["scape/density"] = ones / self.layout.total
         metrics["scape/target_density"] = self.density(t)
         if prev is not None:  # temporal stability: ones of M_t that were already in M_{t-1}
-            metrics["scape/mask_overlap"] = self._overlap(mask, prev, prev_idx) / max(ones, 1.0)
+            metrics["scape/mask_overlap"] = overlap(mask, prev, self.backend) / max(ones, 1.0)
+        mask.settle()         # one form of M_t between steps: its indices, or its bool tensor
         return metrics
 
-    def _overlap(self, mask: torch.Tensor, prev: torch.Tensor, prev_idx: torch.Tensor | None):
-        """Ones of ``mask`` that ``prev`` has too: O(k) through M_{t-1}'s indices when known
-        (one pass of the C loops or the Triton kernels, :mod:`.passes`), else a full-size AND."""
-        if prev_idx is None:
-            return torch.count_nonzero(mask & prev)
-        lib = passes.lib(self.backend, mask)
-        if lib is not None and mask.is_contiguous() and prev_idx.is_contiguous():
-            n = lib.scape_count_at(native.ptr(mask), native.ptr(prev_idx), prev_idx.numel())
-            return n if lib.on_device else torch.tensor(float(n))
-        return torch.count_nonzero(mask.index_select(0, prev_idx))
-
-    def _first_mask(self, stat: torch.Tensor, density: float) -> torch.Tensor:
+    def _first_mask(self, stat: torch.Tensor, density: float) -> Mask:
         if density >= 1.0:
-            return torch.ones(self.layout.total, dtype=torch.bool, device=self.layout.device)
+            return Mask.of(torch.ones(self.layout.total, dtype=torch.bool,
+                                      device=self.layout.device))
         bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, density)
-        return self.exchange.start(bits, density, async_op=False).wait()
+        return self.exchange.start(bits, density, async_op=False).mask()
 
     def close(self) -> None:
         if self._pending is not None:

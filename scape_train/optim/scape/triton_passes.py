@@ -297,14 +297,25 @@ def _scatter_params_kernel(blocks, stab, idx_addr, values_addr, BLOCK: tl.conste
 
 
 @triton.jit
-def _count_at_kernel(mask_addr, idx_addr, k, parts, ALIGNED: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _count_common_kernel(a_addr, k, b_addr, nb, parts, STEPS: tl.constexpr,
+                         ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Entries of the increasing ``a`` (``k`` of them) found in the increasing ``b`` (``nb``):
+    each entry's lower bound in ``b`` by ``STEPS = bit_length(nb)`` halvings, then a compare."""
     pid = tl.program_id(0)
     j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = j < k
-    i = tl.load(_lane(_i64(idx_addr), j, ALIGNED), mask=keep, other=0)
-    bit = tl.load(mask_addr.to(tl.pointer_type(tl.uint8)) + i, mask=keep, other=0)
-    tl.store(parts + pid, tl.sum((bit != 0).to(tl.int64), axis=0))
+    x = tl.load(_lane(_i64(a_addr), j, ALIGNED), mask=keep, other=0)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = lo + nb
+    for _ in tl.static_range(STEPS):
+        go = keep & (lo < hi)
+        mid = lo + ((hi - lo) >> 1)
+        below = tl.load(_i64(b_addr) + mid, mask=go, other=0) < x
+        lo = tl.where(go & below, mid + 1, lo)
+        hi = tl.where(go & ~below, mid, hi)
+    inside = keep & (lo < nb)
+    y = tl.load(_i64(b_addr) + lo, mask=inside, other=0)
+    tl.store(parts + pid, tl.sum((inside & (y == x)).to(tl.int64), axis=0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -559,9 +570,12 @@ class TritonPasses:
         if nblk:
             run(_scatter_params_kernel, (nblk,), blocks, st, idx, values, BLOCK=K_BLOCK)
 
-    def scape_count_at(self, mask, idx, k):
-        def launch(a, n, parts):
-            i = idx + 8 * a
-            run(_count_at_kernel, (triton.cdiv(n, K_BLOCK),), mask, i, n, parts,
-                ALIGNED=_aligned(i), BLOCK=K_BLOCK)
-        return self._over_k(k, launch, torch.int64)
+    def scape_count_common(self, a, na, b, nb):
+        if not na or not nb:
+            return torch.zeros((), dtype=torch.int64, device=self.device)
+
+        def launch(first, n, parts):
+            at = a + 8 * first
+            run(_count_common_kernel, (triton.cdiv(n, K_BLOCK),), at, n, b, nb, parts,
+                STEPS=int(nb).bit_length(), ALIGNED=_aligned(at), BLOCK=K_BLOCK)
+        return self._over_k(na, launch, torch.int64)

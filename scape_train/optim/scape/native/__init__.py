@@ -57,7 +57,7 @@ _SIGNATURES = {
     "scape_adams": (None, [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _F,
                            ctypes.c_int, _F, _F, _F, _F, _F, _F, _F, _F, ctypes.c_int,
                            ctypes.c_int]),
-    "scape_count_at": (_I, [_P, _P, _I, ctypes.c_int]),
+    "scape_count_common": (_I, [_P, _I, _P, _I, ctypes.c_int]),
     "scape_scatter_params": (None, [_P, _P, _I, _P, ctypes.c_int]),
     "scape_topk_bits": (_I, [_P, _I, _I, _P, _I, _I, _P, _P, _I, ctypes.c_int]),
 }
@@ -86,8 +86,10 @@ def _decayed(tab: int, rows: int, width: int, col: int) -> int:
 
 
 _TRAFFIC = {
-    # mask write (1 B per element), the indices (8 B per one), the gathered bytes read
-    "scape_mask_decode": lambda nseg, tab, buf, n, mask, total, idx, cap: total + 8 * cap + n,
+    # the mask written (1 B per element; none when NULL), the indices (8 B per one), the
+    # gathered bytes read
+    "scape_mask_decode": lambda nseg, tab, buf, n, mask, total, idx, cap:
+        (total if mask is not None else 0) + 8 * cap + n,
     # the owner's bits read, its shard written
     "scape_mask_encode": lambda nseg, tab, bits, shard, n: _col_sum(tab, nseg, 8, 2) + n,
     # g, e read, e written per element; at m's support idx, m, g, e read, e written
@@ -119,7 +121,7 @@ _TRAFFIC = {
     "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, ttab, nseg, out, *_:
         28 * k + (4 * mlen if kz < 0 else 12 * kz)
         + (0 if out is not None else 8 * _decayed(ttab, nseg, 7, 4)),
-    "scape_count_at": lambda mask, idx, k: 9 * k,
+    "scape_count_common": lambda a, na, b, nb: 8 * (na + nb),
     "scape_scatter_params": lambda idx, stab, nseg, v:
         16 * (_col_sum(stab, nseg, 8, 3) - _col_sum(stab, nseg, 8, 2))
         + 8 * _decayed(stab, nseg, 8, 5),

@@ -277,12 +277,13 @@ typedef double (*span_fn)(const kpass *p, const i64 *row, i64 a, i64 b);
 struct kpass {
     span_fn fn;
     const i64 *idx;         /* the index list */
+    const i64 *idx2;        /* a second increasing index list, of n2 entries */
+    i64 n2;
     i64 k, base, j0;        /* entries [j0, j0 + k) (j0: scape_adams' slice), flat index - base */
     float *src, *values, *rho, *m, *work, *out;
     const float *cvalues, *mc;
     const i64 *tab;         /* a segment table, its rows and their width; NULL: none */
     i64 nseg, width;
-    const u8 *mask;
     u8 *bytes;
     float beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, coef, d;
     int take, clip, bias;
@@ -725,16 +726,27 @@ void scape_adams(const i64 *idx, i64 j0, i64 k, i64 base, const float *ghat, flo
     kpass_run(&p, nthreads);
 }
 
-static double count_span(const kpass *p, const i64 *row, i64 a, i64 b) {
+/* entries of [a, b) of the increasing index list found in the increasing ``idx2[0:n2)``: a
+ * binary search for the block's first entry, then a branch-free merge over the part of idx2
+ * that can hold the block's entries (a one of the next mask is one of the previous in ~half the
+ * cases: a branch would mispredict) */
+static double common_span(const kpass *p, const i64 *row, i64 a, i64 b) {
     (void)row;
-    i64 n = 0;
-    for (i64 j = a; j < b; j++) n += p->mask[p->idx[j]] != 0;
+    const i64 *x = p->idx, *y = p->idx2;
+    i64 j = lower_bound(y, p->n2, x[a]), end = lower_bound(y, p->n2, x[b - 1] + 1), n = 0;
+    while (a < b && j < end) {
+        i64 u = x[a], v = y[j];
+        n += u == v;
+        a += u <= v;
+        j += v <= u;
+    }
     return (double)n;           /* exact: a block's count, and their sum, < 2^53 */
 }
 
-/* how many of ``idx``'s positions are set in the bool ``mask`` (the masks' overlap metric) */
-i64 scape_count_at(const u8 *mask, const i64 *idx, i64 k, int nthreads) {
-    kpass p = {.fn = count_span, .k = k, .idx = idx, .mask = mask};
+/* how many entries of the increasing ``a[0:na)`` the increasing ``b[0:nb)`` holds too: the
+ * masks' overlap metric from their index lists (no full-size mask is read) */
+i64 scape_count_common(const i64 *a, i64 na, const i64 *b, i64 nb, int nthreads) {
+    kpass p = {.fn = common_span, .k = na, .idx = a, .idx2 = b, .n2 = nb};
     return (i64)kpass_sum(&p, nthreads);
 }
 
@@ -1016,8 +1028,8 @@ static i64 first_bad(const codec_job *j, i64 nseg, i64 ok) {
 }
 
 /* Segment ``r``'s ones (8 int64: kind, flat_start, numel, k, width, low, high, high_bytes) into
- * the mask and idx[at:]: 0, or -1 when they do not match the row (nothing written out of the
- * segment's flat range and its k slots of idx). */
+ * idx[at:] and the mask (when not NULL): 0, or -1 when they do not match the row (nothing
+ * written out of the segment's flat range and its k slots of idx). */
 static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 total, i64 *idx,
                           i64 at, i64 cap) {
     i64 kind = r[0], flat = r[1], numel = r[2], k = r[3];
@@ -1026,7 +1038,7 @@ static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 to
     if (flat < 0 || numel < 0 || flat + numel > total) return -1;
     if (kind == K_ALL) {
         if (at + numel > cap) return -1;
-        memset(mask + flat, 1, (size_t)numel);
+        if (mask) memset(mask + flat, 1, (size_t)numel);
         for (i64 i = 0; i < numel; i++) idx[at++] = flat + i;
         return 0;
     }
@@ -1040,7 +1052,7 @@ static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 to
                 i64 p = 8 * b + __builtin_ctz(v);
                 v &= v - 1;
                 if (p >= numel || at - start >= k) return -1;
-                mask[flat + p] = 1;
+                if (mask) mask[flat + p] = 1;
                 idx[at++] = flat + p;
             }
         }
@@ -1051,7 +1063,7 @@ static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 to
             i64 p = (i64)read_field(buf, len, 8 * low + j * width, width);
             if (p >= numel || p <= prev) return -1;
             prev = p;
-            mask[flat + p] = 1;
+            if (mask) mask[flat + p] = 1;
             idx[at++] = flat + p;
         }
     } else if (kind == K_EF) {
@@ -1067,7 +1079,7 @@ static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 to
                 i64 p = ((pos - j) << width) | lo;
                 if (p >= numel || p <= prev) return -1;
                 prev = p;
-                mask[flat + p] = 1;
+                if (mask) mask[flat + p] = 1;
                 idx[at++] = flat + p;
                 j++;
             }
@@ -1089,14 +1101,15 @@ static void decode_jobs(void *arg, i64 first, i64 end, double *part) {
 /* Decode a whole mask. ``tab``: 8 int64 per segment, in flat order:
  *   kind, flat_start, numel, k, width, low (byte offset of the field stream in ``buf``),
  *   high (byte offset of the bitmap / upper bit vector), high_bytes.
- * Writes the bool mask (``total`` bytes) and the sorted flat indices of its ones into ``idx``
- * (room for ``cap``). Returns the number of ones, or -1 - s when segment s is corrupt (a count,
- * position or length that does not match its plan; the lowest such s): nothing is written out
- * of bounds. Segment s's indices start at the ones its predecessors' rows promise (numel for an
- * all-ones segment, else k), so segments decode apart, on up to ``nthreads`` threads. */
+ * Writes the sorted flat indices of its ones into ``idx`` (room for ``cap``) and, unless
+ * ``mask`` is NULL, the bool mask (``total`` bytes; the fused step reads the indices only).
+ * Returns the number of ones, or -1 - s when segment s is corrupt (a count, position or length
+ * that does not match its plan; the lowest such s): nothing is written out of bounds. Segment
+ * s's indices start at the ones its predecessors' rows promise (numel for an all-ones segment,
+ * else k), so segments decode apart, on up to ``nthreads`` threads. */
 i64 scape_mask_decode(i64 nseg, const i64 *tab, const u8 *buf, i64 len, u8 *mask, i64 total,
                       i64 *idx, i64 cap, int nthreads) {
-    zero_parallel(mask, total, nthreads);
+    if (mask) zero_parallel(mask, total, nthreads);
     codec_job j = {.tab = tab, .buf = buf, .len = len, .mask = mask, .total = total, .idx = idx,
                    .cap = cap};
     i64 *cum, *mem = seg_tables(nseg, &j, &cum), at = 0;
