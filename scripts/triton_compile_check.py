@@ -76,8 +76,9 @@ def variants() -> list[tuple]:
         out.append((tp._fill_kernel, dict(dst_addr=A, idx_addr=A, k=A, value="fp32",
                                           parts=F64), kba, *want))
         out.append((tp._zero_kernel, dict(dst_addr=A, n=A), fba))   # stores only
-        out.append((tp._count_common_kernel, dict(a_addr=A, k=A, b_addr=A, nb=A, parts=P64),
-                    {"STEPS": 23, **kba}, *want))
+        out.append((tp._mark_bits_kernel, dict(idx_addr=A, k=A, words_addr=A), kba, *want))
+        out.append((tp._count_bits_kernel, dict(idx_addr=A, k=A, words_addr=A, parts=P64), kba,
+                    *want))
     scal = {n: "fp32" for n in ("beta1", "beta2", "omb1", "omb2", "bc1", "sqrt_bc2", "eps", "ns")}
     for clip, has_out, bias in ((True, False, 1), (False, True, 2), (True, True, 0)):
         out.append((tp._adams_kernel, dict(blocks=P64, ttab=P64, idx_addr=A, j0=A, base=A,

@@ -133,6 +133,26 @@ def _segments(idx: torch.Tensor, cuts: list[int]):
     return rows
 
 
+def test_the_overlap_bitmap_is_marked_whole_across_block_boundaries():
+    """The mark pass splits the index list into blocks that share no byte of the bitmap: runs of
+    consecutive indices (8 to a byte) across block boundaries, starting mid-byte, are all
+    counted, on any number of threads."""
+    dense = torch.arange(3, 3 * SUM_BLOCK + 11, dtype=torch.int64)   # every byte shared
+    every_other = dense[::2].clone()
+    n = int(dense[-1]) + 1
+
+    def run():
+        out = []
+        for a, b in ((dense, dense), (dense, every_other), (every_other, dense)):
+            bits = torch.empty(n // 8 + 16, dtype=torch.uint8)
+            out.append(LIB.scape_count_common(native.ptr(a), a.numel(), native.ptr(b),
+                                              b.numel(), native.ptr(bits), bits.numel()))
+        return out
+
+    assert _same_on_every_count(run) == [dense.numel(), every_other.numel(),
+                                         every_other.numel()]
+
+
 CUTS = [200_003, 200_011, 777_777, 1_000_000]   # a tensor holding a few entries, rows mid-block
 
 
@@ -154,7 +174,9 @@ def test_gather_take_ghat_count_common_are_the_same_on_any_number_of_threads():
         b2 = b0.clone()
         sq_h2 = LIB.scape_ghat(K - 7, native.ptr(idx[7:]), 5, native.ptr(b2), None,
                                native.ptr(m), None, 0.9, 0.1)
-        n = LIB.scape_count_common(native.ptr(idx), K, native.ptr(prev), prev.numel())
+        bits = torch.empty(N // 8 + 16, dtype=torch.uint8)
+        n = LIB.scape_count_common(native.ptr(idx), K, native.ptr(prev), prev.numel(),
+                                   native.ptr(bits), bits.numel())
         b3, m_at = b0.clone(), m[idx]            # the old m read from where it was gathered
         sq_h3 = LIB.scape_ghat(K, None, 0, native.ptr(b3), None, None, native.ptr(m_at), 0.9,
                                0.1)

@@ -177,7 +177,9 @@ def test_k_sized_passes_over_whole_blocks_and_a_tail(k):
                                    0.9, 0.1),
                     lib.scape_take(k, p, native.ptr(s), v)]
             zero = torch.nonzero(s == 0).view(-1)      # held: its pointer goes to the pass
-            sums.append(lib.scape_count_common(p, k, native.ptr(zero), zero.numel()))
+            bits = torch.empty(16 * (n // 128 + 1), dtype=torch.uint8)   # scratch, zeroed
+            sums.append(lib.scape_count_common(p, k, native.ptr(zero), zero.numel(),
+                                               native.ptr(bits), bits.numel()))
             assert torch.equal(mc[start:], m[idx[start:]])   # the old m at the mask, stored
             out[name] = ([float(x) for x in sums], s, vals[start:], m)
         (cs, *ct), (ts, *tt) = out["c"], out["triton"]

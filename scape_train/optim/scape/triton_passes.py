@@ -297,25 +297,27 @@ def _scatter_params_kernel(blocks, stab, idx_addr, values_addr, BLOCK: tl.conste
 
 
 @triton.jit
-def _count_common_kernel(a_addr, k, b_addr, nb, parts, STEPS: tl.constexpr,
-                         ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """Entries of the increasing ``a`` (``k`` of them) found in the increasing ``b`` (``nb``):
-    each entry's lower bound in ``b`` by ``STEPS = bit_length(nb)`` halvings, then a compare."""
+def _mark_bits_kernel(idx_addr, k, words_addr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Set bit ``i`` of the packed bitmap (int32 words, little-endian: the C loops' bytes) for
+    every entry ``i`` of the index list (atomic: entries of one word lie in several programs'
+    blocks)."""
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = j < k
+    i = tl.load(_lane(_i64(idx_addr), j, ALIGNED), mask=keep, other=0)
+    bit = tl.full((BLOCK,), 1, tl.int32) << (i & 31).to(tl.int32)
+    tl.atomic_or(words_addr.to(tl.pointer_type(tl.int32)) + (i >> 5), bit, mask=keep)
+
+
+@triton.jit
+def _count_bits_kernel(idx_addr, k, words_addr, parts, ALIGNED: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """How many entries ``i`` of the index list have bit ``i`` set in the packed bitmap."""
     pid = tl.program_id(0)
     j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = j < k
-    x = tl.load(_lane(_i64(a_addr), j, ALIGNED), mask=keep, other=0)
-    lo = tl.zeros([BLOCK], dtype=tl.int64)
-    hi = lo + nb
-    for _ in tl.static_range(STEPS):
-        go = keep & (lo < hi)
-        mid = lo + ((hi - lo) >> 1)
-        below = tl.load(_i64(b_addr) + mid, mask=go, other=0) < x
-        lo = tl.where(go & below, mid + 1, lo)
-        hi = tl.where(go & ~below, mid, hi)
-    inside = keep & (lo < nb)
-    y = tl.load(_i64(b_addr) + lo, mask=inside, other=0)
-    tl.store(parts + pid, tl.sum((inside & (y == x)).to(tl.int64), axis=0))
+    i = tl.load(_lane(_i64(idx_addr), j, ALIGNED), mask=keep, other=0)
+    w = tl.load(words_addr.to(tl.pointer_type(tl.int32)) + (i >> 5), mask=keep, other=0)
+    tl.store(parts + pid, tl.sum(((w >> (i & 31).to(tl.int32)) & 1).to(tl.int64), axis=0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -570,12 +572,23 @@ class TritonPasses:
         if nblk:
             run(_scatter_params_kernel, (nblk,), blocks, st, idx, values, BLOCK=K_BLOCK)
 
-    def scape_count_common(self, a, na, b, nb):
-        if not na or not nb:
-            return torch.zeros((), dtype=torch.int64, device=self.device)
+    def scape_count_common(self, a, na, b, nb, bits, nbytes):
+        """The C loop's passes: the bitmap zeroed (``nbytes``: whole 16-byte words), ``b``'s
+        bits set, ``a``'s counted."""
+        assert nbytes % 16 == 0, "the overlap's bitmap is whole 16-byte words"
+        nwords = nbytes // 4
+        if nwords:
+            run(_zero_kernel, (triton.cdiv(nwords, FULL_BLOCK),), bits, nwords,
+                ALIGNED=_aligned(bits), BLOCK=FULL_BLOCK)
 
-        def launch(first, n, parts):
+        def mark(first, n, parts):
+            at = b + 8 * first
+            run(_mark_bits_kernel, (triton.cdiv(n, K_BLOCK),), at, n, bits,
+                ALIGNED=_aligned(at), BLOCK=K_BLOCK)
+
+        def count(first, n, parts):
             at = a + 8 * first
-            run(_count_common_kernel, (triton.cdiv(n, K_BLOCK),), at, n, b, nb, parts,
-                STEPS=int(nb).bit_length(), ALIGNED=_aligned(at), BLOCK=K_BLOCK)
-        return self._over_k(na, launch, torch.int64)
+            run(_count_bits_kernel, (triton.cdiv(n, K_BLOCK),), at, n, bits, parts,
+                ALIGNED=_aligned(at), BLOCK=K_BLOCK)
+        self._over_k(nb, mark, sums=False)
+        return self._over_k(na, count, torch.int64)

@@ -57,7 +57,7 @@ _SIGNATURES = {
     "scape_adams": (None, [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _F,
                            ctypes.c_int, _F, _F, _F, _F, _F, _F, _F, _F, ctypes.c_int,
                            ctypes.c_int]),
-    "scape_count_common": (_I, [_P, _I, _P, _I, ctypes.c_int]),
+    "scape_count_common": (_I, [_P, _I, _P, _I, _P, _I, ctypes.c_int]),
     "scape_scatter_params": (None, [_P, _P, _I, _P, ctypes.c_int]),
     "scape_topk_bits": (_I, [_P, _I, _I, _P, _I, _I, _P, _P, _I, ctypes.c_int]),
 }
@@ -121,7 +121,9 @@ _TRAFFIC = {
     "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, ttab, nseg, out, *_:
         28 * k + (4 * mlen if kz < 0 else 12 * kz)
         + (0 if out is not None else 8 * _decayed(ttab, nseg, 7, 4)),
-    "scape_count_common": lambda a, na, b, nb: 8 * (na + nb),
+    # the scratch bitmap zeroed, b's indices read and their bytes written, a's read and their
+    # bytes read
+    "scape_count_common": lambda a, na, b, nb, bits, nbytes: nbytes + 9 * (na + nb),
     "scape_scatter_params": lambda idx, stab, nseg, v:
         16 * (_col_sum(stab, nseg, 8, 3) - _col_sum(stab, nseg, 8, 2))
         + 8 * _decayed(stab, nseg, 8, 5),

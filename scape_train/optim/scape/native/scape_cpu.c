@@ -277,8 +277,6 @@ typedef double (*span_fn)(const kpass *p, const i64 *row, i64 a, i64 b);
 struct kpass {
     span_fn fn;
     const i64 *idx;         /* the index list */
-    const i64 *idx2;        /* a second increasing index list, of n2 entries */
-    i64 n2;
     i64 k, base, j0;        /* entries [j0, j0 + k) (j0: scape_adams' slice), flat index - base */
     float *src, *values, *rho, *m, *work, *out;
     const float *cvalues, *mc;
@@ -726,28 +724,42 @@ void scape_adams(const i64 *idx, i64 j0, i64 k, i64 base, const float *ghat, flo
     kpass_run(&p, nthreads);
 }
 
-/* entries of [a, b) of the increasing index list found in the increasing ``idx2[0:n2)``: a
- * binary search for the block's first entry, then a branch-free merge over the part of idx2
- * that can hold the block's entries (a one of the next mask is one of the previous in ~half the
- * cases: a branch would mispredict) */
-static double common_span(const kpass *p, const i64 *row, i64 a, i64 b) {
+/* the bits of entries [a, b) of the increasing index list set in ``bytes`` (a packed bitmap,
+ * bit i of byte i >> 3), with the block's bounds moved so that each byte is one block's: entries
+ * sharing a byte with the entry before ``a`` are the previous block's, and the block takes
+ * those after ``b - 1`` that share its last byte (the list is increasing), so no write races */
+static double mark_span(const kpass *p, const i64 *row, i64 a, i64 b) {
     (void)row;
-    const i64 *x = p->idx, *y = p->idx2;
-    i64 j = lower_bound(y, p->n2, x[a]), end = lower_bound(y, p->n2, x[b - 1] + 1), n = 0;
-    while (a < b && j < end) {
-        i64 u = x[a], v = y[j];
-        n += u == v;
-        a += u <= v;
-        j += v <= u;
-    }
+    u8 *bits = p->bytes;
+    const i64 *x = p->idx;
+    i64 end = p->j0 + p->k;
+    if (a > 0)
+        while (a < b && x[a] >> 3 == x[a - 1] >> 3) a++;
+    while (b < end && b > a && x[b] >> 3 == x[b - 1] >> 3) b++;
+    for (i64 j = a; j < b; j++) bits[x[j] >> 3] |= (u8)(1u << (x[j] & 7));
+    return 0.0;
+}
+
+static double count_span(const kpass *p, const i64 *row, i64 a, i64 b) {
+    (void)row;
+    const u8 *bits = p->bytes;
+    i64 n = 0;
+    for (i64 j = a; j < b; j++) n += (bits[p->idx[j] >> 3] >> (p->idx[j] & 7)) & 1;
     return (double)n;           /* exact: a block's count, and their sum, < 2^53 */
 }
 
-/* how many entries of the increasing ``a[0:na)`` the increasing ``b[0:nb)`` holds too: the
- * masks' overlap metric from their index lists (no full-size mask is read) */
-i64 scape_count_common(const i64 *a, i64 na, const i64 *b, i64 nb, int nthreads) {
-    kpass p = {.fn = common_span, .k = na, .idx = a, .idx2 = b, .n2 = nb};
-    return (i64)kpass_sum(&p, nthreads);
+/* How many entries of the increasing ``a[0:na)`` the increasing ``b[0:nb)`` holds too (the
+ * masks' overlap metric from their index lists, no full-size mask held): b's entries marked in
+ * the scratch bitmap ``bits`` (``nbytes`` >= (max index >> 3) + 1, zeroed here), then a's
+ * looked up. Two O(k) passes of independent loads and stores: a merge of the two lists is a
+ * chain of dependent compares, 4x slower at density 0.1. */
+i64 scape_count_common(const i64 *a, i64 na, const i64 *b, i64 nb, u8 *bits, i64 nbytes,
+                       int nthreads) {
+    zero_parallel(bits, nbytes, nthreads);
+    kpass mark = {.fn = mark_span, .k = nb, .idx = b, .bytes = bits};
+    kpass_run(&mark, nthreads);
+    kpass count = {.fn = count_span, .k = na, .idx = a, .bytes = bits};
+    return (i64)kpass_sum(&count, nthreads);
 }
 
 static double scatter_span(const kpass *p, const i64 *r, i64 a, i64 b) {
