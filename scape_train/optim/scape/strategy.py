@@ -24,6 +24,7 @@ from ..config import OptimizerConfig
 from ..density import density_at
 from ..grad_buffer import FlatGradBuffer
 from ..state import FlatShard, ShardSource, StateParts
+from . import native
 from .kernels import pack_bits, resolve_backend, unpack_bits
 from .masks import (Mask, MaskExchange, PendingMask, mask_counts, measured_counts, overlap,
                     topk_own_mask)
@@ -71,6 +72,7 @@ class ScapeStrategy(OptimizerStrategy):
         self.steps_done = 0
         self._cur: Mask | None = None    # the last step's M_t (its indices, where decoded)
         self._pending: PendingMask | None = None
+        self._overlap_bits = native.BufferPool(1)   # the overlap metric's scratch bitmap
         # ones per segment of a mask at density d, by d: sizes known on the host, not read back
         self._counts: dict[float, list[list[int]]] = {}
         self._loaded_counts: list[list[int]] | None = None   # a mask from another partition
@@ -174,7 +176,8 @@ class ScapeStrategy(OptimizerStrategy):
         metrics["scape/density"] = ones / self.layout.total
         metrics["scape/target_density"] = self.density(t)
         if prev is not None:  # temporal stability: ones of M_t that were already in M_{t-1}
-            metrics["scape/mask_overlap"] = overlap(mask, prev, self.backend) / max(ones, 1.0)
+            metrics["scape/mask_overlap"] = overlap(mask, prev, self.backend,
+                                                    self._overlap_bits) / max(ones, 1.0)
         mask.settle()         # one form of M_t between steps: its indices, or its bool tensor
         return metrics
 
