@@ -108,12 +108,11 @@ def variants() -> list[tuple]:
                 {"PACK_BYTES": tc.PACK_BYTES}))
     out.append((tc._encode_fields_kernel, dict(bits_ptr=U8, tab_ptr=P64, starts_ptr=P64,
                                                words_ptr="*i32"), {"BLOCK": tc.BLOCK}))
-    for with_mask in (False, True):
-        dm = {"MASK": with_mask, "BLOCK": tc.BLOCK}
-        out.append((tc._decode_scan_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64,
-                                                 starts_ptr=P64, mask_ptr=U8, idx_ptr=P64), dm))
-        out.append((tc._decode_direct_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64,
-                                                   mask_ptr=U8, idx_ptr=P64), dm))
+    out.append((tc._decode_scan_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64, starts_ptr=P64,
+                                             words_ptr="*i32", idx_ptr=P64), {"BLOCK": tc.BLOCK}))
+    out.append((tc._decode_direct_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64,
+                                               words_ptr="*i32", idx_ptr=P64),
+                {"BLOCK": tc.BLOCK}))
     out.append((tpl._bf16_encode_kernel, dict(x_ptr="*i32", out_ptr="*i16", n=A),
                 {"BLOCK": tpl.BLOCK}))
     out.append((tpl._bf16_decode_kernel, dict(h_ptr="*i16", out_ptr="*i32", n=A),

@@ -78,9 +78,10 @@ def test_fused_equals_reference_one_worker(sharded, bias_correction):
 @pytest.mark.parametrize("coding", ["elias_fano", "bitmap", "indices"])
 def test_decoded_indices_equal_the_mask(coding):
     """The decode hands the step the mask's sorted indices and writes no bool mask: the C
-    decode for every per-segment coding (not the whole-range bitmap), the torch decode for
-    Elias-Fano (with all-ones segments); the others hand the bool mask, and the update takes
-    nonzero_static of it. All give the same step, and no full-size bool mask outlives one."""
+    decode for every per-segment coding (not the whole-range bitmap; with the mask packed 1 bit
+    per element), the torch decode for Elias-Fano (with all-ones segments); the others hand the
+    bool mask, and the update takes nonzero_static of it. All give the same step, and no
+    byte-per-element mask outlives one."""
     _compare(_pair_run(0, mask_coding=coding, density_warmup_steps=0))
     s, w, _ = make(_cfg(mask_coding=coding, density_warmup_steps=0))
     seen = []
@@ -88,7 +89,7 @@ def test_decoded_indices_equal_the_mask(coding):
 
     def spy(mask, lr, step, counts, **kw):
         k = sum(map(sum, counts))
-        seen.append((mask.indices is not None, mask._dense is not None))
+        seen.append((mask.indices is not None, mask._dense is not None, mask.bits is not None))
         out = orig(mask, lr, step, counts, **kw)
         assert torch.equal(mask.indices, torch.nonzero(mask.dense(keep=False)).view(-1))
         assert mask.indices.numel() == k
@@ -98,8 +99,10 @@ def test_decoded_indices_equal_the_mask(coding):
     for t in range(1, 4):
         train_step(s, w, t, 0)
         assert s._cur._dense is None or coding == "bitmap"   # none kept past the step
-    given = coding == "elias_fano" or (coding != "bitmap" and native.lib(torch.zeros(1)) is not None)
-    assert seen[1:] == [(given, not given)] * 2     # step 1's mask is built synchronously
+    c_decode = coding != "bitmap" and native.lib(torch.zeros(1)) is not None
+    given = coding == "elias_fano" or c_decode
+    # step 1's mask is built synchronously; the C decode adds the packed bits
+    assert seen[1:] == [(given, not given, c_decode)] * 2
 
 
 def test_fused_default_and_invariants_one_worker():

@@ -80,6 +80,10 @@ def test_encode_and_decode_equal_the_torch_path(world, partitioner, coding, dens
     torch_path(False)
     none, lean = plan.decode_with_indices(gathered, torch.device("cpu"), with_mask=False)
     assert none is None and torch.equal(lean, idx)
+    none, lean, bits = plan.decode_parts(gathered, torch.device("cpu"))   # and the packed mask
+    packed = kernels.pack_bits(mask, backend="torch")
+    assert none is None and torch.equal(bits[:packed.numel()], packed)
+    assert not bits[packed.numel():].any()
 
 
 def _ef_plan_and_bytes():

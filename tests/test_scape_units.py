@@ -13,6 +13,8 @@ from scape_train.optim import build_optimizer
 from scape_train.optim.comm import Comm
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.density import density_at, segment_k
+from scape_train.optim.scape.kernels import pack_bits
+from scape_train.optim.scape.mask_coding import bits_bytes
 from scape_train.optim.scape.masks import Mask, MaskExchange, overlap, topk_own_mask
 from scape_train.optim.scape.partition import ParamLayout, build_partition
 
@@ -249,6 +251,8 @@ def test_a_mask_of_indices_makes_its_bool_form_on_demand():
         Mask(11)
     with pytest.raises(ValueError, match="11 elements"):
         Mask(11, dense=torch.zeros(12, dtype=torch.bool))
+    with pytest.raises(ValueError, match="come with its indices"):
+        Mask(11, dense=want, bits=torch.zeros(16, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("path", ["auto", "torch", "triton"])
@@ -277,6 +281,15 @@ def test_overlap_from_the_index_lists_equals_the_full_size_and(path, monkeypatch
         want = int((mask_of(a).dense() & mask_of(b).dense()).sum())
         got = overlap(mask_of(a), mask_of(b), backend)
         assert isinstance(got, torch.Tensor) and int(got) == want, (a.numel(), b.numel())
+    # the previous mask's packed bits from its decode: the lookups alone
+    for a, b in cases:
+        if not b.numel():
+            continue
+        bits = torch.zeros(bits_bytes(n), dtype=torch.uint8)
+        packed = pack_bits(mask_of(b).dense(), backend="torch")
+        bits[:packed.numel()] = packed
+        want = int((mask_of(a).dense() & mask_of(b).dense()).sum())
+        assert int(overlap(mask_of(a), Mask(n, indices=b, bits=bits), backend)) == want
     # one side held only as a bool mask: the full-size AND
     a, b = cases[0]
     assert int(overlap(mask_of(a), Mask.of(mask_of(b).dense()), backend)) == int(

@@ -64,6 +64,9 @@ def _check_plan(plan: MC.MaskPlan, own: list[torch.Tensor]) -> None:
     assert torch.equal(idx, torch.nonzero(want).view(-1))
     none, lean = plan.decode_with_indices(gathered, CPU, "triton", with_mask=False)
     assert none is None and torch.equal(lean, idx)        # the step's decode: no mask written
+    _, _, bits = plan.decode_parts(gathered, CPU, "triton")   # but the mask's packed bits
+    packed = kernels.pack_bits(want, backend="torch")
+    assert torch.equal(bits[:packed.numel()], packed) and not bits[packed.numel():].any()
     if C_LIB is not None:
         c_mask, c_idx = plan.decode_with_indices(gathered, CPU, "auto")
         assert torch.equal(c_mask, want)
@@ -320,22 +323,20 @@ def test_counted_decode_bytes_follow_the_plan():
     ns = (_tasks([s.numel for s in flat if s.kind == MC.BITMAP], TC.BLOCK)
           + _tasks([8 * s.high_bytes for s in flat if s.kind == MC.ELIAS_FANO], TC.BLOCK))
     nd = _tasks([s.numel if s.kind == MC.ALL else s.k for s in listed], TC.BLOCK)
-    plan.decode_with_indices(gathered, CPU, "triton")       # builds the plan's task tables
-    dispatched = {}
-    for with_mask in (True, False):
-        per_one = 9 if with_mask else 8
-        with DeviceOpCounter() as ops:
-            plan.decode_with_indices(gathered, CPU, "triton", with_mask=with_mask)
-        # 8 B of index written per one, and 1 B of mask with the mask
-        assert dict(ops.kernel_bytes) == {
-            "mask_decode_count": ns * row + sum(s.high_bytes for s in scanned) + 8 * ns,
-            "mask_decode_scan": ns * row + 16 * ns + sum(s.high_bytes + s.low_bytes + per_one * s.k
-                                                         for s in scanned),
-            "mask_decode_direct": nd * row + sum(s.low_bytes + per_one * (
-                s.numel if s.kind == MC.ALL else s.k) for s in listed)}
-        dispatched[with_mask] = ops.bytes_moved - sum(ops.kernel_bytes.values())
-    # the dispatched ops (the block starts' scan, the index vector) differ by the mask's zero fill
-    assert dispatched[True] - dispatched[False] == plan.total
+    plan.decode_parts(gathered, CPU, "triton")              # builds the plan's task tables
+    with DeviceOpCounter() as ops:
+        _, idx, bits = plan.decode_parts(gathered, CPU, "triton")
+    # per one: its 8-byte index written, and its bit ORed into an int32 word (4 B)
+    assert dict(ops.kernel_bytes) == {
+        "mask_decode_count": ns * row + sum(s.high_bytes for s in scanned) + 8 * ns,
+        "mask_decode_scan": ns * row + 16 * ns + sum(s.high_bytes + s.low_bytes + 12 * s.k
+                                                     for s in scanned),
+        "mask_decode_direct": nd * row + sum(s.low_bytes + 12 * (s.numel if s.kind == MC.ALL
+                                                                 else s.k) for s in listed)}
+    # dispatched ops: the block starts' scan, the index vector, the bits' zero fill (1/8 byte per
+    # element, not the byte per element of a bool mask)
+    assert ops.bytes_moved - sum(ops.kernel_bytes.values()) < plan.total // 2
+    assert bits.numel() == MC.bits_bytes(plan.total) and bits.numel() % 16 == 0
     assert ops.ops["triton::mask_decode_scan"] == 1
 
 

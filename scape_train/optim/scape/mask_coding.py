@@ -65,6 +65,12 @@ def ef_low_bits(numel: int, k: int) -> int:
     return min(range(index_width(numel) + 1), key=lambda b: (sum(ef_sizes(numel, k, b)), b))
 
 
+def bits_bytes(total: int) -> int:
+    """Bytes of a decoded mask's packed bits: ``ceil(total / 8)``, padded to whole 16-byte words
+    (the Triton kernels' int32 view, aligned loads)."""
+    return 16 * -(-total // 128)
+
+
 def coded_bytes(kind: str, numel: int, k: int) -> int:
     """Bytes of one segment's mask in coding ``kind`` (``all`` = not sent)."""
     if kind == ALL:
@@ -249,7 +255,7 @@ class MaskPlan:
         self._tables: dict = {}
         self._ef: dict = {}          # per device: the Elias-Fano decode tables (_ef_tables)
         self._triton: dict = {}      # the Triton path's task tables (triton_codecs)
-        self._pool = native.BufferPool(2)   # the C decode's index vectors
+        self._pool = native.BufferPool(2)   # the C decode's (indices, bits) pairs
 
     def drop_decode_tables(self) -> None:
         """Free the per-one decode tables and buffers (a plan no longer in use)."""
@@ -314,28 +320,45 @@ class MaskPlan:
         """The full bool mask from every owner's shard (``world·shard_bytes`` uint8)."""
         return self.decode_with_indices(gathered, device, backend)[0]
 
+    def decode_parts(self, gathered: torch.Tensor | None, device: torch.device,
+                     backend: str = "auto"
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(mask, indices, bits)``: what the decode makes of every owner's shard. The C and
+        Triton decodes (every coding but ``bitmap``, unless the whole plan is all ones): the
+        sorted flat indices of the ones and the mask packed 1 bit per element (``pack_bits``'s
+        layout, padded to whole 16-byte words), no bool mask. Elsewhere the bool mask, and from
+        the torch path the indices too when every segment is Elias-Fano coded or all ones."""
+        if self.legacy:
+            return self._decode_bitmap(gathered, backend), None, None
+        probe = gathered if gathered is not None else torch.empty(0, device=device)
+        if resolve_backend(backend, probe) == "triton":     # every coding, indices included
+            idx, bits = _triton_codecs().decode_mask(self.segs, self.shard_bytes, self.total,
+                                                     gathered, device, self._triton)
+            return None, idx, bits
+        tables = self._device_tables(device)
+        if tables["all_ones"]:
+            return torch.ones(self.total, dtype=torch.bool, device=device), None, None
+        lib = native.lib(probe)
+        if lib is not None and (gathered is None or gathered.is_contiguous()):
+            return (None, *self._decode_native(lib, gathered, device))
+        return (*self._decode_torch(tables, gathered, device, backend, with_mask=False), None)
+
     def decode_with_indices(self, gathered: torch.Tensor | None, device: torch.device,
                             backend: str = "auto", with_mask: bool = True
                             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(mask, indices)``: the full bool mask and the flat indices of its ones in
         increasing order (what ``nonzero_static(mask)`` gives, without the full-size pass), or
-        ``None`` for the indices where this decode does not make them: the C path makes them
-        for every coding (unless the whole plan is all ones), the Triton path always, the torch
-        path when every segment is Elias-Fano coded or all ones. ``with_mask=False``: the bool
-        mask is not written (``None``) wherever the indices are made."""
-        if self.legacy:
-            return self._decode_bitmap(gathered, backend), None
-        probe = gathered if gathered is not None else torch.empty(0, device=device)
-        if resolve_backend(backend, probe) == "triton":     # every coding, indices included
-            return _triton_codecs().decode_mask(self.segs, self.shard_bytes, self.total, gathered,
-                                                device, self._triton, with_mask)
-        tables = self._device_tables(device)
-        if tables["all_ones"]:
-            return torch.ones(self.total, dtype=torch.bool, device=device), None
-        lib = native.lib(probe)
-        if lib is not None and (gathered is None or gathered.is_contiguous()):
-            return self._decode_native(lib, gathered, device, with_mask)
-        return self._decode_torch(tables, gathered, device, backend, with_mask)
+        ``None`` for the indices where the decode does not make them (:meth:`decode_parts`).
+        ``with_mask=False``: the bool mask is left out (``None``) wherever the indices are made
+        -- all the fused step reads."""
+        mask, idx, bits = self.decode_parts(gathered, device, backend)
+        if mask is None and with_mask:
+            assert idx is not None
+            mask = (unpack_bits(bits[:packed_numel(self.total)], self.total, backend=backend)
+                    if bits is not None else
+                    torch.zeros(self.total, dtype=torch.bool, device=device).index_fill_(0, idx,
+                                                                                         True))
+        return mask, idx
 
     def _decode_bitmap(self, gathered: torch.Tensor | None, backend: str) -> torch.Tensor:
         """The legacy whole-range format: each owner's packed range, unpacked."""
@@ -405,11 +428,10 @@ class MaskPlan:
             mask.index_fill_(0, found[0] if len(found) == 1 else torch.cat(found), True)
         return mask, indices
 
-    def _decode_native(self, lib, gathered: torch.Tensor | None, device: torch.device,
-                       with_mask: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _decode_native(self, lib, gathered: torch.Tensor | None, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The C decode (native/scape_cpu.c): one loop over the segments writes the sorted
-        indices of the ones (every coding) and, ``with_mask``, the mask; no per-one int64
-        temporaries."""
+        indices of the ones (every coding) and the packed bits; no per-one int64 temporaries."""
         if "native" not in self._tables:
             rows = []
             for r, codes in enumerate(self.segs):
@@ -421,18 +443,17 @@ class MaskPlan:
                                       sum(s.numel if s.kind == ALL else s.k
                                           for codes in self.segs for s in codes))
         tab, ones = self._tables["native"]
-        # the indices of two steps ago are free again: no fresh block (page faults) per step
-        (idx,) = self._pool.get(((ones,), torch.int64))
-        mask = torch.empty(self.total, dtype=torch.bool) if with_mask else None
+        # the pair of two steps ago is free again: no fresh blocks (page faults) per step
+        idx, bits = self._pool.get(((ones,), torch.int64), ((bits_bytes(self.total),), torch.uint8))
         n = 0 if gathered is None else gathered.numel()
         got = lib.scape_mask_decode(tab.shape[0], native.ptr(tab), native.ptr(gathered), n,
-                                    native.ptr(mask), self.total, native.ptr(idx), ones)
+                                    native.ptr(bits), self.total, native.ptr(idx), ones)
         if got != ones:
             where = ("" if got >= 0 else
                      f" (segment at flat {int(tab[-1 - got, 1])})")
             raise RuntimeError(f"mask decode: the gathered bytes do not match the plan{where}; "
                                f"{got} ones decoded, {ones} expected")
-        return mask, idx
+        return idx, bits
 
     def _device_tables(self, device: torch.device) -> dict:
         key = str(device)

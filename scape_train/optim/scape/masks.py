@@ -16,7 +16,7 @@ from ..comm import Comm, Handle
 from ..density import segment_k
 from . import native, passes
 from .kernels import host_reads_ok, nonzero_sorted
-from .mask_coding import MaskPlan
+from .mask_coding import MaskPlan, bits_bytes
 from .partition import ParamLayout, PartitionMap
 
 
@@ -119,23 +119,26 @@ def measured_counts(mask: torch.Tensor, part: PartitionMap) -> list[list[int]]:
 
 
 class Mask:
-    """A mask M_t as the step holds it: the sorted flat indices of its ones, its full bool
-    tensor, or both.
+    """A mask M_t as the step holds it: the sorted flat indices of its ones (with the mask
+    packed 1 bit per element beside them), its full bool tensor, or both.
 
-    The C and Triton decodes give the indices and write no bool tensor: the fused step walks the
-    indices only, so no full-size mask is held across steps. The bool form -- what the
+    The C and Triton decodes give the indices and the packed bits and write no bool tensor: the
+    fused step walks the indices, the next step's overlap metric reads the bits (1/8 byte per
+    element), so no byte-per-element mask is held across steps. The bool form -- what the
     reference engines, checkpoints and the legacy ``bitmap`` coding use -- is made from the
     indices on demand by :meth:`dense`; at the end of each step the strategy keeps the smaller
     of the two forms (:meth:`settle`)."""
 
     def __init__(self, total: int, *, dense: torch.Tensor | None = None,
-                 indices: torch.Tensor | None = None):
+                 indices: torch.Tensor | None = None, bits: torch.Tensor | None = None):
         if dense is None and indices is None:
             raise ValueError("a Mask needs its bool tensor or its indices")
         if dense is not None and dense.numel() != total:
             raise ValueError(f"a mask of {total} elements, got {dense.numel()} bits")
+        if bits is not None and indices is None:
+            raise ValueError("a Mask's packed bits come with its indices")
         self.total = total
-        self._dense, self.indices, self._made = dense, indices, False
+        self._dense, self.indices, self.bits, self._made = dense, indices, bits, False
 
     @classmethod
     def of(cls, dense: "torch.Tensor | Mask | None") -> "Mask | None":
@@ -169,7 +172,7 @@ class Mask:
             return
         assert self.indices is not None and self._dense is not None
         if 8 * self.indices.numel() > self.total:
-            self.indices = None           # the bool tensor is the mask now
+            self.indices = self.bits = None   # the bool tensor is the mask now
         else:
             self._dense = None
         self._made = False
@@ -179,27 +182,32 @@ class Mask:
         ``nonzero_static`` pass over the bool tensor (kept: the fused step reads them again as
         the next step's previous mask)."""
         if self.indices is None or self.indices.numel() != count:
-            self.indices = nonzero_sorted(self.dense(), count)
+            self.indices, self.bits = nonzero_sorted(self.dense(), count), None
         return self.indices
 
 
 def overlap(cur: Mask, prev: Mask, backend: str = "auto",
             scratch: native.BufferPool | None = None) -> torch.Tensor:
     """Ones of ``cur`` that ``prev`` has too (the masks' temporal stability metric), as a
-    tensor: from both index lists when both have them -- ``prev``'s marked in a scratch bitmap
-    (1 bit per element, from ``scratch`` on the CPU), ``cur``'s looked up: O(k) passes in the C
-    loops or the Triton kernels; a bool map made for the count in torch ops -- else one
-    full-size AND of the bool tensors."""
+    tensor, from the index lists when both have them: ``cur``'s looked up in ``prev``'s packed
+    bits -- the decode's, else marked in a scratch bitmap (from ``scratch`` on the CPU) -- O(k)
+    passes in the C loops or the Triton kernels; a bool map made for the count in torch ops.
+    Else one full-size AND of the bool tensors."""
     a, b = cur.indices, prev.indices
     if a is None or b is None:
         return torch.count_nonzero(cur.dense(keep=False) & prev.dense(keep=False))
-    nbytes = 16 * -(-cur.total // 128)        # whole 16-byte words (the kernels' int32 view)
+    if not a.numel() or not b.numel():      # (an empty tensor's pointer is NULL)
+        return torch.zeros((), dtype=torch.int64, device=a.device)
     lib = passes.lib(backend, a)
     if lib is not None and a.is_contiguous() and b.is_contiguous():
-        pool = scratch if scratch is not None else native.BufferPool(0)
-        (bits,) = pool.get(((nbytes,), torch.uint8), device=a.device)
-        n = lib.scape_count_common(native.ptr(a), a.numel(), native.ptr(b), b.numel(),
-                                   native.ptr(bits), nbytes)
+        if prev.bits is not None:       # marked by the decode: the lookups only
+            bits, marked = prev.bits, None
+        else:
+            pool = scratch if scratch is not None else native.BufferPool(0)
+            (bits,) = pool.get(((bits_bytes(cur.total),), torch.uint8), device=a.device)
+            marked = b
+        n = lib.scape_count_common(native.ptr(a), a.numel(), native.ptr(marked), b.numel(),
+                                   native.ptr(bits), bits.numel())
         return n if lib.on_device else torch.tensor(n)
     # torch ops: a transient bool map (bits ORed into bytes by index_put with accumulate took
     # 253 ms against this map's 53 ms on the CPU: 50M elements, 5M ones, one thread)
@@ -291,14 +299,12 @@ class MaskExchange:
         return PendingMask(handle, gathered, self, plan=plan)
 
     def assemble_mask(self, gathered: torch.Tensor, plan: MaskPlan | None = None) -> Mask:
-        """The :class:`Mask` from every owner's shard: its indices where the decode gives them
-        (no bool tensor written), else its bool tensor (:meth:`MaskPlan.decode_with_indices`)."""
+        """The :class:`Mask` from every owner's shard: its indices and packed bits where the
+        decode gives them (no bool tensor written), else its bool tensor
+        (:meth:`MaskPlan.decode_parts`)."""
         plan = plan if plan is not None else self.plan(1.0)
-        if plan.legacy:
-            return Mask.of(plan.decode(gathered, gathered.device, self.backend))
-        dense, idx = plan.decode_with_indices(gathered, gathered.device, self.backend,
-                                              with_mask=False)
-        return Mask(self.total, dense=dense, indices=idx)
+        dense, idx, bits = plan.decode_parts(gathered, gathered.device, self.backend)
+        return Mask(self.total, dense=dense, indices=idx, bits=bits)
 
     def assemble(self, gathered: torch.Tensor, plan: MaskPlan | None = None) -> torch.Tensor:
         plan = plan if plan is not None else self.plan(1.0)

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .counted_launch import launch
 from .mask_coding import _NATIVE_KIND as _KIND          # the C decode's codes, reused
-from .mask_coding import ALL, BITMAP, ELIAS_FANO, INDICES, SegCode
+from .mask_coding import ALL, BITMAP, ELIAS_FANO, INDICES, SegCode, bits_bytes
 
 BLOCK = 4096            # stream positions per program (4096 bits = 512 packed bytes)
 PACK_BYTES = 1024       # bitmap bytes packed per program (8192 elements)
@@ -264,18 +264,20 @@ def encode_mask(segs: list[SegCode], lo: int, shard_bytes: int, own_bits: torch.
 
 
 @triton.jit
-def _emit(mask_ptr, idx_ptr, tab_ptr, j, p, valid, MASK: tl.constexpr):
-    """Write flat ``FLAT + p`` to slot ``AT + j`` of the indices (and set it in the mask)."""
+def _emit(words_ptr, idx_ptr, tab_ptr, j, p, valid):
+    """Write flat ``FLAT + p`` to slot ``AT + j`` of the indices and set its bit in the packed
+    mask (int32 words, little-endian: ``pack_bits``'s bytes; atomic, as segments and blocks
+    share words)."""
     valid = valid & (p >= 0) & (p < _col(tab_ptr, NUMEL)) & (j < _col(tab_ptr, K))
     flat = _col(tab_ptr, FLAT) + p
-    if MASK:
-        tl.store(mask_ptr + flat, tl.full(p.shape, 1, tl.uint8), mask=valid)
+    bit = tl.full(p.shape, 1, tl.int32) << (flat & 31).to(tl.int32)
+    tl.atomic_or(words_ptr + (flat >> 5), bit, mask=valid)
     tl.store(idx_ptr + _col(tab_ptr, AT) + j, flat, mask=valid)
 
 
 @triton.jit
-def _decode_scan_kernel(buf_ptr, buf_len, tab_ptr, starts_ptr, mask_ptr, idx_ptr,
-                        MASK: tl.constexpr, BLOCK: tl.constexpr):
+def _decode_scan_kernel(buf_ptr, buf_len, tab_ptr, starts_ptr, words_ptr, idx_ptr,
+                        BLOCK: tl.constexpr):
     """Bitmaps and Elias-Fano upper vectors: the ``j``-th set bit, at ``pos``, is the one at
     ``pos`` (bitmap) or at ``((pos - j) << L) | low_j`` (Elias-Fano)."""
     pos, bits = _stream_bits(buf_ptr, tab_ptr, True, BLOCK)
@@ -285,12 +287,11 @@ def _decode_scan_kernel(buf_ptr, buf_len, tab_ptr, starts_ptr, mask_ptr, idx_ptr
         width = _col(tab_ptr, WIDTH)
         low = _read_fields(buf_ptr, buf_len, _col(tab_ptr, LOW_BIT) + j * width, width, bits != 0)
         p = ((pos - j) << width) | low
-    _emit(mask_ptr, idx_ptr, tab_ptr, j, p, bits != 0, MASK)
+    _emit(words_ptr, idx_ptr, tab_ptr, j, p, bits != 0)
 
 
 @triton.jit
-def _decode_direct_kernel(buf_ptr, buf_len, tab_ptr, mask_ptr, idx_ptr, MASK: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def _decode_direct_kernel(buf_ptr, buf_len, tab_ptr, words_ptr, idx_ptr, BLOCK: tl.constexpr):
     """All-ones segments (the ``j``-th one is at ``j``) and index fields (it is field ``j``)."""
     j = _col(tab_ptr, B0) + tl.arange(0, BLOCK)
     valid = j < _col(tab_ptr, NBITS)
@@ -298,7 +299,7 @@ def _decode_direct_kernel(buf_ptr, buf_len, tab_ptr, mask_ptr, idx_ptr, MASK: tl
     if _col(tab_ptr, KIND) == K_INDICES:
         width = _col(tab_ptr, WIDTH)
         p = _read_fields(buf_ptr, buf_len, _col(tab_ptr, LOW_BIT) + j * width, width, valid)
-    _emit(mask_ptr, idx_ptr, tab_ptr, j, p, valid, MASK)
+    _emit(words_ptr, idx_ptr, tab_ptr, j, p, valid)
 
 
 def _decode_tables(segs: list[list[SegCode]], shard_bytes: int, device: torch.device) -> dict:
@@ -322,26 +323,23 @@ def _decode_tables(segs: list[list[SegCode]], shard_bytes: int, device: torch.de
     scanned = [s for s in flat if s.kind in (BITMAP, ELIAS_FANO)]
     listed = [s for s in flat if s.kind in (ALL, INDICES)]
     nscan = t["scan"].shape[0]
-    # per one decoded: its 8-byte index, and 1 byte of mask when the mask is written (+ 1)
+    # per one decoded: its 8-byte index and its mask bit's int32 word (an atomic OR)
     t["bytes"] = {
         "mask_decode_count": _nbytes(t["scan"]) + sum(s.high_bytes for s in scanned)
         + 8 * nscan,
         "mask_decode_scan": _nbytes(t["scan"]) + 16 * nscan
-        + sum(s.high_bytes + s.low_bytes + 8 * s.k for s in scanned),
+        + sum(s.high_bytes + s.low_bytes + 12 * s.k for s in scanned),
         "mask_decode_direct": _nbytes(t["direct"])
-        + sum(s.low_bytes + 8 * (s.numel if s.kind == ALL else s.k) for s in listed)}
-    t["mask_bytes"] = {"mask_decode_scan": sum(s.k for s in scanned),
-                       "mask_decode_direct": sum(s.numel if s.kind == ALL else s.k
-                                                 for s in listed)}
+        + sum(s.low_bytes + 12 * (s.numel if s.kind == ALL else s.k) for s in listed)}
     return t
 
 
 def decode_mask(segs: list[list[SegCode]], shard_bytes: int, total: int,
-                gathered: torch.Tensor | None, device: torch.device, cache: dict,
-                with_mask: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(mask, indices)``: the flat indices of the ones from every owner's shard, increasing,
-    and the full bool mask (``None`` unless ``with_mask``), as
-    ``MaskPlan.decode_with_indices`` (for every coding)."""
+                gathered: torch.Tensor | None, device: torch.device, cache: dict
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, bits)``: the flat indices of the ones from every owner's shard, increasing,
+    and the mask packed 1 bit per element (``bits_bytes(total)`` uint8), as
+    ``MaskPlan.decode_parts`` (for every coding)."""
     key = ("decode", str(device))
     if key not in cache:
         cache[key] = _decode_tables(segs, shard_bytes, device)
@@ -349,18 +347,15 @@ def decode_mask(segs: list[list[SegCode]], shard_bytes: int, total: int,
     buf = gathered.contiguous() if gathered is not None and gathered.numel() else \
         torch.zeros(1, dtype=torch.uint8, device=device)       # a valid pointer, never read
     idx = torch.empty(t["ones"], dtype=torch.int64, device=device)
-    mask = torch.zeros(total, dtype=torch.uint8, device=device) if with_mask else None
-    out = buf if mask is None else mask        # a uint8 pointer; with MASK=False never written
-    scan, direct = t["scan"], t["direct"]
-    nbytes = {name: n + (t["mask_bytes"].get(name, 0) if with_mask else 0)
-              for name, n in t["bytes"].items()}
+    words = torch.zeros(bits_bytes(total) // 4, dtype=torch.int32, device=device)
+    scan, direct, nbytes = t["scan"], t["direct"], t["bytes"]
     if scan.shape[0]:
         starts = _block_starts(buf, scan, True, "mask_decode_count", nbytes["mask_decode_count"])
         launch(_decode_scan_kernel, (scan.shape[0],), "mask_decode_scan",
-               nbytes["mask_decode_scan"], buf, buf.numel(), scan, starts, out, idx,
-               MASK=with_mask, BLOCK=BLOCK, num_warps=NUM_WARPS)
+               nbytes["mask_decode_scan"], buf, buf.numel(), scan, starts, words, idx,
+               BLOCK=BLOCK, num_warps=NUM_WARPS)
     if direct.shape[0]:
         launch(_decode_direct_kernel, (direct.shape[0],), "mask_decode_direct",
-               nbytes["mask_decode_direct"], buf, buf.numel(), direct, out, idx,
-               MASK=with_mask, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return (None if mask is None else mask.view(torch.bool)), idx
+               nbytes["mask_decode_direct"], buf, buf.numel(), direct, words, idx, BLOCK=BLOCK,
+               num_warps=NUM_WARPS)
+    return idx, words.view(torch.uint8)

@@ -573,11 +573,11 @@ class TritonPasses:
             run(_scatter_params_kernel, (nblk,), blocks, st, idx, values, BLOCK=K_BLOCK)
 
     def scape_count_common(self, a, na, b, nb, bits, nbytes):
-        """The C loop's passes: the bitmap zeroed (``nbytes``: whole 16-byte words), ``b``'s
-        bits set, ``a``'s counted."""
+        """The C loop's passes: the bitmap zeroed (``nbytes``: whole 16-byte words) and ``b``'s
+        bits set (unless ``b`` is NULL: the bits given), ``a``'s counted."""
         assert nbytes % 16 == 0, "the overlap's bitmap is whole 16-byte words"
         nwords = nbytes // 4
-        if nwords:
+        if b is not None and nwords:      # b NULL: its bits are marked already
             run(_zero_kernel, (triton.cdiv(nwords, FULL_BLOCK),), bits, nwords,
                 ALIGNED=_aligned(bits), BLOCK=FULL_BLOCK)
 
@@ -590,5 +590,6 @@ class TritonPasses:
             at = a + 8 * first
             run(_count_bits_kernel, (triton.cdiv(n, K_BLOCK),), at, n, bits, parts,
                 ALIGNED=_aligned(at), BLOCK=K_BLOCK)
-        self._over_k(nb, mark, sums=False)
+        if b is not None:
+            self._over_k(nb, mark, sums=False)
         return self._over_k(na, count, torch.int64)

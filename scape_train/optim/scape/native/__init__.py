@@ -86,10 +86,10 @@ def _decayed(tab: int, rows: int, width: int, col: int) -> int:
 
 
 _TRAFFIC = {
-    # the mask written (1 B per element; none when NULL), the indices (8 B per one), the
-    # gathered bytes read
-    "scape_mask_decode": lambda nseg, tab, buf, n, mask, total, idx, cap:
-        (total if mask is not None else 0) + 8 * cap + n,
+    # the packed bitmap zeroed and 1 B per one written (none when NULL), the indices (8 B per
+    # one), the gathered bytes read
+    "scape_mask_decode": lambda nseg, tab, buf, n, packed, total, idx, cap:
+        (16 * -(-total // 128) + cap if packed is not None else 0) + 8 * cap + n,
     # the owner's bits read, its shard written
     "scape_mask_encode": lambda nseg, tab, bits, shard, n: _col_sum(tab, nseg, 8, 2) + n,
     # g, e read, e written per element; at m's support idx, m, g, e read, e written
@@ -121,9 +121,10 @@ _TRAFFIC = {
     "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, ttab, nseg, out, *_:
         28 * k + (4 * mlen if kz < 0 else 12 * kz)
         + (0 if out is not None else 8 * _decayed(ttab, nseg, 7, 4)),
-    # the scratch bitmap zeroed, b's indices read and their bytes written, a's read and their
-    # bytes read
-    "scape_count_common": lambda a, na, b, nb, bits, nbytes: nbytes + 9 * (na + nb),
+    # the scratch bitmap zeroed, b's indices read and their bytes written (unless b is NULL:
+    # the bits given), a's read and their bytes read
+    "scape_count_common": lambda a, na, b, nb, bits, nbytes:
+        (nbytes + 9 * nb if b is not None else 0) + 9 * na,
     "scape_scatter_params": lambda idx, stab, nseg, v:
         16 * (_col_sum(stab, nseg, 8, 3) - _col_sum(stab, nseg, 8, 2))
         + 8 * _decayed(stab, nseg, 8, 5),

@@ -751,13 +751,15 @@ static double count_span(const kpass *p, const i64 *row, i64 a, i64 b) {
 /* How many entries of the increasing ``a[0:na)`` the increasing ``b[0:nb)`` holds too (the
  * masks' overlap metric from their index lists, no full-size mask held): b's entries marked in
  * the scratch bitmap ``bits`` (``nbytes`` >= (max index >> 3) + 1, zeroed here), then a's
- * looked up. Two O(k) passes of independent loads and stores: a merge of the two lists is a
+ * looked up; with ``b`` NULL, ``bits`` holds b's bits already (the decode wrote them). Two O(k) passes of independent loads and stores: a merge of the two lists is a
  * chain of dependent compares, 4x slower at density 0.1. */
 i64 scape_count_common(const i64 *a, i64 na, const i64 *b, i64 nb, u8 *bits, i64 nbytes,
                        int nthreads) {
-    zero_parallel(bits, nbytes, nthreads);
-    kpass mark = {.fn = mark_span, .k = nb, .idx = b, .bytes = bits};
-    kpass_run(&mark, nthreads);
+    if (b) {
+        zero_parallel(bits, nbytes, nthreads);
+        kpass mark = {.fn = mark_span, .k = nb, .idx = b, .bytes = bits};
+        kpass_run(&mark, nthreads);
+    }
     kpass count = {.fn = count_span, .k = na, .idx = a, .bytes = bits};
     return (i64)kpass_sum(&count, nthreads);
 }
@@ -1015,7 +1017,7 @@ typedef struct {
     const i64 *tab;
     const u8 *buf, *bits;
     i64 len, total, cap;
-    u8 *mask, *shard;
+    u8 *packed, *shard;     /* decode: the bitmap written; encode: the owner's shard */
     i64 *idx;
     i64 *at;                /* decode: where each segment's indices start in idx */
     i64 *bad;               /* per segment: 1 when it does not match its row */
@@ -1039,18 +1041,41 @@ static i64 first_bad(const codec_job *j, i64 nseg, i64 ok) {
     return ok;
 }
 
+/* Bit i of a packed bitmap (bit i & 7 of byte i >> 3). Segments decode on several threads, so
+ * the bytes a segment may share with its neighbours -- its first and last, ``edge0`` and
+ * ``edge1`` -- are ORed atomically; the bytes between are the segment's alone. */
+static inline void set_bit(u8 *packed, i64 i, i64 edge0, i64 edge1) {
+    i64 q = i >> 3;
+    u8 bit = (u8)(1u << (i & 7));
+    if (q == edge0 || q == edge1) __atomic_fetch_or(packed + q, bit, __ATOMIC_RELAXED);
+    else packed[q] |= bit;
+}
+
+/* bits [a, a + n) of a packed bitmap: whole bytes at once, the partial ends bit by bit */
+static void set_run(u8 *packed, i64 a, i64 n, i64 edge0, i64 edge1) {
+    i64 i = a, end = a + n;
+    for (; i < end && (i & 7); i++) set_bit(packed, i, edge0, edge1);
+    for (; i + 8 <= end; i += 8) {
+        i64 q = i >> 3;
+        if (q == edge0 || q == edge1) __atomic_fetch_or(packed + q, (u8)0xFF, __ATOMIC_RELAXED);
+        else packed[q] = 0xFF;
+    }
+    for (; i < end; i++) set_bit(packed, i, edge0, edge1);
+}
+
 /* Segment ``r``'s ones (8 int64: kind, flat_start, numel, k, width, low, high, high_bytes) into
- * idx[at:] and the mask (when not NULL): 0, or -1 when they do not match the row (nothing
- * written out of the segment's flat range and its k slots of idx). */
-static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 total, i64 *idx,
+ * idx[at:] and their bits into the packed bitmap (when not NULL): 0, or -1 when they do not
+ * match the row (nothing written out of the segment's flat range and its k slots of idx). */
+static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *packed, i64 total, i64 *idx,
                           i64 at, i64 cap) {
     i64 kind = r[0], flat = r[1], numel = r[2], k = r[3];
     int width = (int)r[4];
     i64 low = r[5], high = r[6], hbytes = r[7];
     if (flat < 0 || numel < 0 || flat + numel > total) return -1;
+    i64 edge0 = flat >> 3, edge1 = (flat + numel - 1) >> 3;
     if (kind == K_ALL) {
         if (at + numel > cap) return -1;
-        if (mask) memset(mask + flat, 1, (size_t)numel);
+        if (packed) set_run(packed, flat, numel, edge0, edge1);
         for (i64 i = 0; i < numel; i++) idx[at++] = flat + i;
         return 0;
     }
@@ -1064,7 +1089,7 @@ static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 to
                 i64 p = 8 * b + __builtin_ctz(v);
                 v &= v - 1;
                 if (p >= numel || at - start >= k) return -1;
-                if (mask) mask[flat + p] = 1;
+                if (packed) set_bit(packed, flat + p, edge0, edge1);
                 idx[at++] = flat + p;
             }
         }
@@ -1075,7 +1100,7 @@ static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 to
             i64 p = (i64)read_field(buf, len, 8 * low + j * width, width);
             if (p >= numel || p <= prev) return -1;
             prev = p;
-            if (mask) mask[flat + p] = 1;
+            if (packed) set_bit(packed, flat + p, edge0, edge1);
             idx[at++] = flat + p;
         }
     } else if (kind == K_EF) {
@@ -1091,7 +1116,7 @@ static int decode_segment(const i64 *r, const u8 *buf, i64 len, u8 *mask, i64 to
                 i64 p = ((pos - j) << width) | lo;
                 if (p >= numel || p <= prev) return -1;
                 prev = p;
-                if (mask) mask[flat + p] = 1;
+                if (packed) set_bit(packed, flat + p, edge0, edge1);
                 idx[at++] = flat + p;
                 j++;
             }
@@ -1106,7 +1131,7 @@ static void decode_jobs(void *arg, i64 first, i64 end, double *part) {
     const codec_job *j = (const codec_job *)arg;
     (void)part;
     for (i64 s = first; s < end; s++)
-        j->bad[s] = decode_segment(j->tab + 8 * s, j->buf, j->len, j->mask, j->total, j->idx,
+        j->bad[s] = decode_segment(j->tab + 8 * s, j->buf, j->len, j->packed, j->total, j->idx,
                                    j->at[s], j->cap) != 0;
 }
 
@@ -1114,15 +1139,17 @@ static void decode_jobs(void *arg, i64 first, i64 end, double *part) {
  *   kind, flat_start, numel, k, width, low (byte offset of the field stream in ``buf``),
  *   high (byte offset of the bitmap / upper bit vector), high_bytes.
  * Writes the sorted flat indices of its ones into ``idx`` (room for ``cap``) and, unless
- * ``mask`` is NULL, the bool mask (``total`` bytes; the fused step reads the indices only).
+ * ``packed`` is NULL, the mask as a packed bitmap (``ceil(total / 8)`` bytes, padded to whole
+ * 16-byte words and zeroed here: the next step's overlap metric reads it; the fused step reads
+ * the indices).
  * Returns the number of ones, or -1 - s when segment s is corrupt (a count, position or length
  * that does not match its plan; the lowest such s): nothing is written out of bounds. Segment
  * s's indices start at the ones its predecessors' rows promise (numel for an all-ones segment,
  * else k), so segments decode apart, on up to ``nthreads`` threads. */
-i64 scape_mask_decode(i64 nseg, const i64 *tab, const u8 *buf, i64 len, u8 *mask, i64 total,
+i64 scape_mask_decode(i64 nseg, const i64 *tab, const u8 *buf, i64 len, u8 *packed, i64 total,
                       i64 *idx, i64 cap, int nthreads) {
-    if (mask) zero_parallel(mask, total, nthreads);
-    codec_job j = {.tab = tab, .buf = buf, .len = len, .mask = mask, .total = total, .idx = idx,
+    if (packed) zero_parallel(packed, 16 * ((total + 127) >> 7), nthreads);
+    codec_job j = {.tab = tab, .buf = buf, .len = len, .packed = packed, .total = total, .idx = idx,
                    .cap = cap};
     i64 *cum, *mem = seg_tables(nseg, &j, &cum), at = 0;
     if (mem) cum[0] = 0;
@@ -1130,7 +1157,7 @@ i64 scape_mask_decode(i64 nseg, const i64 *tab, const u8 *buf, i64 len, u8 *mask
         const i64 *r = tab + 8 * s;
         i64 ones = max64(r[0] == K_ALL ? r[2] : r[3], 0);
         if (!mem) {         /* no room for the tables: in order, here */
-            if (decode_segment(r, buf, len, mask, total, idx, at, cap)) return -1 - s;
+            if (decode_segment(r, buf, len, packed, total, idx, at, cap)) return -1 - s;
         } else {
             j.at[s] = at;
             cum[s + 1] = cum[s] + ones + max64(r[7], 0);
