@@ -51,7 +51,7 @@ from scape_train.profiling import DeviceOpCounter  # noqa: E402
 MODEL = ModelConfig(name="llama_7m", arch="llama", n_layers=4, d_model=256, n_heads=4,
                     n_kv_heads=2, ffn_dim=688, max_seq_len=256, vocab_size=8192)
 PHASES = [("s", "_grads", "gradients"), ("engine", "prepare", "prepare (candidate, residual)"),
-          ("s", "next_mask", "mask wait + decode"),
+          ("s", "_next", "mask wait + decode"),
           ("engine", "update", "update (payload, ĝ, clip, AdamS, θ, m)"),
           ("s", "exchange.start", "top-k + mask encode"),
           ("engine", "finish_step", "residual fold + norm")]
