@@ -14,7 +14,7 @@ from scape_train.optim.comm import Comm
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.density import density_at, segment_k
 from scape_train.optim.scape.kernels import pack_bits
-from scape_train.optim.scape.mask_coding import bits_bytes
+from scape_train.optim.scape.native import bits_bytes
 from scape_train.optim.scape.masks import Mask, MaskExchange, overlap, topk_own_mask
 from scape_train.optim.scape.partition import ParamLayout, build_partition
 

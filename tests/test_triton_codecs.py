@@ -336,7 +336,7 @@ def test_counted_decode_bytes_follow_the_plan():
     # dispatched ops: the block starts' scan, the index vector, the bits' zero fill (1/8 byte per
     # element, not the byte per element of a bool mask)
     assert ops.bytes_moved - sum(ops.kernel_bytes.values()) < plan.total // 2
-    assert bits.numel() == MC.bits_bytes(plan.total) and bits.numel() % 16 == 0
+    assert bits.numel() == native.bits_bytes(plan.total) and bits.numel() % 16 == 0
     assert ops.ops["triton::mask_decode_scan"] == 1
 
 

@@ -65,12 +65,6 @@ def ef_low_bits(numel: int, k: int) -> int:
     return min(range(index_width(numel) + 1), key=lambda b: (sum(ef_sizes(numel, k, b)), b))
 
 
-def bits_bytes(total: int) -> int:
-    """Bytes of a decoded mask's packed bits: ``ceil(total / 8)``, padded to whole 16-byte words
-    (the Triton kernels' int32 view, aligned loads)."""
-    return 16 * -(-total // 128)
-
-
 def coded_bytes(kind: str, numel: int, k: int) -> int:
     """Bytes of one segment's mask in coding ``kind`` (``all`` = not sent)."""
     if kind == ALL:
@@ -341,7 +335,7 @@ class MaskPlan:
         lib = native.lib(probe)
         if lib is not None and (gathered is None or gathered.is_contiguous()):
             return (None, *self._decode_native(lib, gathered, device))
-        return (*self._decode_torch(tables, gathered, device, backend, with_mask=False), None)
+        return (*self._decode_torch(tables, gathered, device, backend), None)
 
     def decode_with_indices(self, gathered: torch.Tensor | None, device: torch.device,
                             backend: str = "auto", with_mask: bool = True
@@ -374,14 +368,14 @@ class MaskPlan:
         return mask
 
     def _decode_torch(self, tables: dict, gathered: torch.Tensor | None, device: torch.device,
-                      backend: str, with_mask: bool
-                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                      backend: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The decode in torch ops (no C compiler, a device without Triton, the plan's fake
-        tensor trace); the indices when every segment is Elias-Fano coded or all ones."""
+        tensor trace): the indices alone when every segment is Elias-Fano coded or all ones,
+        else the bool mask."""
         ef_grp = tables[ELIAS_FANO]
         ef = (_ef_tables(self, ef_grp, device) if ef_grp is not None and ef_grp.ones
               else None)
-        lean = not with_mask and ef is not None and ef["sorted"] is not None
+        lean = ef is not None and ef["sorted"] is not None
         mask = None if lean else torch.zeros(self.total, dtype=torch.bool, device=device)
         if mask is not None and tables["implicit"].numel():
             mask.index_fill_(0, tables["implicit"], True)
@@ -444,7 +438,8 @@ class MaskPlan:
                                           for codes in self.segs for s in codes))
         tab, ones = self._tables["native"]
         # the pair of two steps ago is free again: no fresh blocks (page faults) per step
-        idx, bits = self._pool.get(((ones,), torch.int64), ((bits_bytes(self.total),), torch.uint8))
+        idx, bits = self._pool.get(((ones,), torch.int64),
+                                   ((native.bits_bytes(self.total),), torch.uint8))
         n = 0 if gathered is None else gathered.numel()
         got = lib.scape_mask_decode(tab.shape[0], native.ptr(tab), native.ptr(gathered), n,
                                     native.ptr(bits), self.total, native.ptr(idx), ones)

@@ -16,7 +16,7 @@ from ..comm import Comm, Handle
 from ..density import segment_k
 from . import native, passes
 from .kernels import host_reads_ok, nonzero_sorted
-from .mask_coding import MaskPlan, bits_bytes
+from .mask_coding import MaskPlan
 from .partition import ParamLayout, PartitionMap
 
 
@@ -147,10 +147,6 @@ class Mask:
             return dense
         return cls(dense.numel(), dense=dense)
 
-    @property
-    def device(self) -> torch.device:
-        return (self._dense if self._dense is not None else self.indices).device
-
     def dense(self, keep: bool = True) -> torch.Tensor:
         """The full bool tensor: the one held, else made from the indices (one zero fill, one
         index fill), kept for the next call unless ``keep`` is false."""
@@ -204,7 +200,7 @@ def overlap(cur: Mask, prev: Mask, backend: str = "auto",
             bits, marked = prev.bits, None
         else:
             pool = scratch if scratch is not None else native.BufferPool(0)
-            (bits,) = pool.get(((bits_bytes(cur.total),), torch.uint8), device=a.device)
+            (bits,) = pool.get(((native.bits_bytes(cur.total),), torch.uint8), device=a.device)
             marked = b
         n = lib.scape_count_common(native.ptr(a), a.numel(), native.ptr(marked), b.numel(),
                                    native.ptr(bits), bits.numel())

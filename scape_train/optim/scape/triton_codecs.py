@@ -40,9 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import native
 from .counted_launch import launch
 from .mask_coding import _NATIVE_KIND as _KIND          # the C decode's codes, reused
-from .mask_coding import ALL, BITMAP, ELIAS_FANO, INDICES, SegCode, bits_bytes
+from .mask_coding import ALL, BITMAP, ELIAS_FANO, INDICES, SegCode
 
 BLOCK = 4096            # stream positions per program (4096 bits = 512 packed bytes)
 PACK_BYTES = 1024       # bitmap bytes packed per program (8192 elements)
@@ -338,7 +339,7 @@ def decode_mask(segs: list[list[SegCode]], shard_bytes: int, total: int,
                 gathered: torch.Tensor | None, device: torch.device, cache: dict
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, bits)``: the flat indices of the ones from every owner's shard, increasing,
-    and the mask packed 1 bit per element (``bits_bytes(total)`` uint8), as
+    and the mask packed 1 bit per element (``native.bits_bytes(total)`` uint8), as
     ``MaskPlan.decode_parts`` (for every coding)."""
     key = ("decode", str(device))
     if key not in cache:
@@ -347,7 +348,7 @@ def decode_mask(segs: list[list[SegCode]], shard_bytes: int, total: int,
     buf = gathered.contiguous() if gathered is not None and gathered.numel() else \
         torch.zeros(1, dtype=torch.uint8, device=device)       # a valid pointer, never read
     idx = torch.empty(t["ones"], dtype=torch.int64, device=device)
-    words = torch.zeros(bits_bytes(total) // 4, dtype=torch.int32, device=device)
+    words = torch.zeros(native.bits_bytes(total) // 4, dtype=torch.int32, device=device)
     scan, direct, nbytes = t["scan"], t["direct"], t["bytes"]
     if scan.shape[0]:
         starts = _block_starts(buf, scan, True, "mask_decode_count", nbytes["mask_decode_count"])

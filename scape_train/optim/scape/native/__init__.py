@@ -74,6 +74,12 @@ def _col_sum(tab: int, rows: int, width: int, col: int) -> int:
     return sum(_i64s(tab, rows * width)[col::width])
 
 
+def bits_bytes(total: int) -> int:
+    """Bytes of a decoded mask's packed bits (``scape_mask_decode``'s ``packed``): ``ceil(total
+    / 8)`` padded to whole 16-byte words (the Triton kernels' int32 view, aligned loads)."""
+    return 16 * -(-total // 128)
+
+
 ONE_BITS = 0x3F800000       # 1.0f: a parameter-table row's decay column for "no decay"
 
 
@@ -89,7 +95,7 @@ _TRAFFIC = {
     # the packed bitmap zeroed and 1 B per one written (none when NULL), the indices (8 B per
     # one), the gathered bytes read
     "scape_mask_decode": lambda nseg, tab, buf, n, packed, total, idx, cap:
-        (16 * -(-total // 128) + cap if packed is not None else 0) + 8 * cap + n,
+        (bits_bytes(total) + cap if packed is not None else 0) + 8 * cap + n,
     # the owner's bits read, its shard written
     "scape_mask_encode": lambda nseg, tab, bits, shard, n: _col_sum(tab, nseg, 8, 2) + n,
     # g, e read, e written per element; at m's support idx, m, g, e read, e written
