@@ -261,6 +261,12 @@ def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
            f"(trainer.max_steps={t.max_steps}): the density would never reach optimizer.density="
            f"{o.density}; lower optimizer.density_warmup_steps (the paper warms up over 10% of the "
            "steps) or raise trainer.max_steps")
+    _check(o.name not in ("scape", "topk_adamw")
+           or o.density_start_step + o.density_cooldown_steps <= t.max_steps,
+           f"optimizer.density_start_step={o.density_start_step} plus "
+           f"optimizer.density_cooldown_steps={o.density_cooldown_steps} is longer than the run "
+           f"(trainer.max_steps={t.max_steps}): no step would run at optimizer.density="
+           f"{o.density}; shorten them or raise trainer.max_steps")
     # Each component's own checks, now rather than after minutes of tokenizer training.
     from scape_train.models.build import resolve_config
     from scape_train.optim import validate as validate_optimizer

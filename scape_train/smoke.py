@@ -102,6 +102,8 @@ def apply_smoke(cfg: Any, world_size: int = 1) -> Any:
     t.warmup_steps = _scaled(t.warmup_steps, original, steps)
     t.decay_steps = _scaled(t.decay_steps, original, steps)
     o.density_warmup_steps = _scaled(o.density_warmup_steps, original, steps)
+    o.density_start_step = _scaled(o.density_start_step, original, steps)
+    o.density_cooldown_steps = _scaled(o.density_cooldown_steps, original, steps)
     if o.name == "powersgd":   # torch's hook needs >= 2 with error feedback
         o.powersgd_start_iter = _scaled(o.powersgd_start_iter, original, steps, floor=2)
     # (the real intervals are a few hundredths of a run: every step here; a quarter is enough)

@@ -56,11 +56,15 @@ def _density_line(cfg: Any) -> str | None:
     if o.name not in ("scape", "topk_adamw"):
         return None
     sparsity = f"{(1 - o.density) * 100:.4g}% sparse"
-    if o.name == "topk_adamw" or o.density_schedule == "constant" or o.density_warmup_steps == 0:
-        line = f"{o.density:g} ({sparsity}) at every step"
+    if o.density_schedule == "constant" or o.density_warmup_steps == 0:
+        line = f"{o.density:g} ({sparsity})"
     else:
         line = (f"{o.density_schedule} from 1.0 to {o.density:g} ({sparsity}) over "
                 f"{o.density_warmup_steps} steps")
+    if o.density_start_step > 1:
+        line = f"dense before step {o.density_start_step}, then " + line
+    if o.density_cooldown_steps:
+        line += f", back to 1.0 over the last {o.density_cooldown_steps} steps"
     if o.name == "scape":
         extras = [f"partitioner {o.partitioner}", "sharded state" if o.sharded else "replicated state"]
         if o.offload_residuals:

@@ -49,6 +49,7 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     nan_skips: int = 0            # consecutive skipped steps (nan_policy=skip)
+    sent_bytes: int = 0           # bytes this rank sent by the last checkpoint (rank 0's when replicated)
     wandb_run_id: str | None = None
 
 
@@ -182,7 +183,8 @@ class Trainer:
 
             load_init_weights(self.model, cfg.init_from)
         if cfg.strategy.name == "data_parallel":
-            self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm)
+            self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm,
+                                            total_steps=cfg.trainer.max_steps)
         else:  # DiLoCo / GASLoC: the optimizer group's optimizer takes the inner steps
             from scape_train.optim.local import build_local_strategy
 
@@ -259,6 +261,7 @@ class Trainer:
         self.train_loader.load_state_dict(own["data"])
         set_rng_state(own["rng"])
         self.state = TrainState(**(own["train"] if "train" in own else ckpt.replicated["train"]))
+        self.comm.sent_before = self.state.sent_bytes
         log.info("resumed from %s at step %d", path, self.state.step)
 
     def save_checkpoint(self) -> Path:
@@ -272,6 +275,7 @@ class Trainer:
                 "resume=auto, e.g. with a lower optimizer.lr or optimizer.clip_grad > 0.")
         # Each piece once, by the rank that holds it: the strategy says which part of its state
         # is replicated, owner-sharded or per rank; tensors go to disk from where they live.
+        self.state.sent_bytes = self.comm.total_sent_bytes()
         parts = trainer_parts(self.strategy.checkpoint_state(), data=self.train_loader.state_dict(),
                               rng=get_rng_state(), train=dataclasses.asdict(self.state),
                               synchronous=self.strategy.synchronous)
@@ -383,6 +387,7 @@ class Trainer:
                         metrics.update({f"time/{k}_s": v / window_steps for k, v in timer.pop().items()})
                         # per-step means over the logging window
                         metrics.update({k: v / window_steps for k, v in self.comm.pop_stats().items()})
+                        metrics["comm/total_sent_bytes"] = self.comm.total_sent_bytes()
                         metrics.update(self.train_loader.metrics())
                         metrics.update(memory_metrics(info.device))
                         metrics.update({"tokens_per_s": tok_s, "tokens": self.state.tokens,

@@ -137,20 +137,26 @@ class Settings:
 # ------------------------------------------------------------------------------ the runs
 
 
-def run_overrides(run: Run, s: Settings) -> list[str]:
-    """The trainer's overrides: the schedule, SCAPE's density warm-up and evaluations are
-    fractions of the run (10%); the seed sets init and data order (a shuffled stream)."""
-    steps, opt = run.steps, OPTIMIZERS[run.optimizer]
+def common_overrides(steps: int, lr: float, seed: int, shape: str) -> list[str]:
+    """Every study run's trainer overrides: the lr schedule and evaluations are fractions of the
+    run (10%); the seed sets init and data order (a shuffled stream)."""
     tenth = max(1, steps // 10)
-    return [*SHAPES[s.shape], "data=classics", "data.shuffle_buffer=64",
-            f"data.seed={1000 + run.seed}", f"trainer.seed={1000 + run.seed}",
+    return [*SHAPES[shape], "data=classics", "data.shuffle_buffer=64",
+            f"data.seed={1000 + seed}", f"trainer.seed={1000 + seed}",
             f"trainer.max_steps={steps}", f"trainer.warmup_steps={tenth}",
             f"trainer.eval_every={tenth}", f"trainer.log_every={max(1, steps // 50)}",
-            "trainer.checkpoint_every=0", f"optimizer.lr={run.lr:g}", f"optimizer.min_lr={run.lr / 10:g}",
-            *opt.overrides,
+            "trainer.checkpoint_every=0", f"optimizer.lr={lr:g}", f"optimizer.min_lr={lr / 10:g}",
+            "logging.wandb.mode=disabled", "logging.progress_bar=false"]
+
+
+def run_overrides(run: Run, s: Settings) -> list[str]:
+    """The common overrides, the optimizer's, and SCAPE's density warm-up over 10% of the run."""
+    opt = OPTIMIZERS[run.optimizer]
+    tenth = max(1, run.steps // 10)
+    return [*common_overrides(run.steps, run.lr, run.seed, s.shape), *opt.overrides,
             # SCAPE's density warm-up (and top-k's, so that both sparsify at the same density)
             *([f"optimizer.density_warmup_steps={tenth}"] if opt.density is not None else []),
-            "logging.wandb.mode=disabled", "logging.progress_bar=false", *s.extra]
+            *s.extra]
 
 
 def command(run: Run, s: Settings, run_dir: Path) -> list[str]:
@@ -185,10 +191,17 @@ def collect(run: Run, run_dir: Path, wall_s: float, cmd: list[str], diverged: bo
         "mask_overlap": series(rows, f"{kind}/mask_overlap"),
         "density_series": series(rows, "scape/density"),
         "tokens": max((r.get("tokens", 0) for r in rows), default=0),
+        "sent_bytes": run_sent_bytes(rows),
         "wall_s": round(wall_s, 2),
         "command": shlex.join(cmd).replace(str(REPO) + "/", ""),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def run_sent_bytes(rows: list[dict]) -> int | None:
+    """Data bytes rank 0 sent over the whole run (the trainer's ``comm/total_sent_bytes``)."""
+    totals = [r["comm/total_sent_bytes"] for r in rows if "comm/total_sent_bytes" in r]
+    return int(totals[-1]) if totals else None
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -205,16 +218,17 @@ def load_results(runs_dir: Path) -> dict[str, dict]:
     return out
 
 
-def execute(run: Run, s: Settings, runs_dir: Path, keep_checkpoints: bool, log=print) -> dict:
-    run_dir = runs_dir / run.id
-    if run_dir.exists():                 # an unfinished earlier attempt: start it again
+def run_trainer(cmd: list[str], run_dir: Path, run_id: str, log=print) -> tuple[float, bool]:
+    """Run one training command into ``run_dir`` (its log: ``train.log``): (wall seconds,
+    diverged). An unfinished earlier attempt is started again; a failure other than a
+    non-finite loss raises with the log's end."""
+    if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = command(run, s, run_dir / "train")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "WANDB_MODE": "disabled",
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    log(f"== {run.stage} {run.id}: {shlex.join(cmd)}")
+    log(f"== {run_id}: {shlex.join(cmd)}")
     run_dir.mkdir(parents=True)
     start = time.perf_counter()
     with open(run_dir / "train.log", "w") as out:
@@ -224,8 +238,15 @@ def execute(run: Run, s: Settings, runs_dir: Path, keep_checkpoints: bool, log=p
     # the trainer's NonFiniteLossError: "non-finite loss (nan) at step N. ..."
     diverged = proc.returncode != 0 and re.search(r"non-finite loss \(.*?\) at step \d+", text) is not None
     if proc.returncode != 0 and not diverged:
-        raise RuntimeError(f"{run.id} failed (exit {proc.returncode}); log {run_dir}/train.log:\n"
+        raise RuntimeError(f"{run_id} failed (exit {proc.returncode}); log {run_dir}/train.log:\n"
                            f"{text[-3000:]}")
+    return wall, diverged
+
+
+def execute(run: Run, s: Settings, runs_dir: Path, keep_checkpoints: bool, log=print) -> dict:
+    run_dir = runs_dir / run.id
+    cmd = command(run, s, run_dir / "train")
+    wall, diverged = run_trainer(cmd, run_dir, f"{run.stage} {run.id}", log)
     result = collect(run, run_dir / "train", wall, cmd, diverged)
     if not keep_checkpoints:
         shutil.rmtree(run_dir / "train" / "checkpoints", ignore_errors=True)

@@ -31,9 +31,10 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def make(cfg: OptimizerConfig, seed: int = 0, width: int = 24, bias: bool = True):
+def make(cfg: OptimizerConfig, seed: int = 0, width: int = 24, bias: bool = True,
+         total_steps: int = 0):
     model = tiny_model(seed, width, bias)
-    strategy = build_optimizer(cfg, model, Comm())
+    strategy = build_optimizer(cfg, model, Comm(), total_steps=total_steps)
     return strategy, strategy.wrap_model(model), model
 
 

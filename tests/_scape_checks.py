@@ -105,6 +105,24 @@ def check_invariants(results: list[dict], clip_active: bool) -> None:
             assert st.get("comm/mask_sent_bytes", 0) == ring_all_gather_bytes(shard, n)
 
 
+def split_run(cfg: OptimizerConfig, rank: int, k: int, steps: int, **make_kw):
+    """``k`` steps, the optimizer and model saved and loaded into fresh objects (other initial
+    weights), then steps ``k+1..steps``: (first, second, second's model, the saved state)."""
+    first, w_first, _ = make(cfg, **make_kw)
+    for t in range(1, k + 1):
+        train_step(first, w_first, t, rank)
+    buf = io.BytesIO()
+    torch.save({"opt": first.state_dict(), "model": w_first.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    second, w_second, _ = make(cfg, seed=123, **make_kw)
+    w_second.load_state_dict(saved["model"])
+    second.load_state_dict(saved["opt"])
+    for t in range(k + 1, steps + 1):
+        train_step(second, w_second, t, rank)
+    return first, second, w_second, saved
+
+
 def resume_and_offload_run(cfg: OptimizerConfig, rank: int, n: int = 3) -> dict:
     """2n steps straight; 2n with the residual offloaded (odd chunks) beside 2n straight on the
     engine offload runs on (the reference: ``p_off``/``s_off`` against ``p_ref``/``s_ref``);
@@ -120,18 +138,7 @@ def resume_and_offload_run(cfg: OptimizerConfig, rank: int, n: int = 3) -> dict:
     for t in range(1, 2 * n + 1):
         train_step(off, w_off, t, rank)
         train_step(ref, w_ref, t, rank)
-    first, w_first, _ = make(cfg)
-    for t in range(1, n + 1):
-        train_step(first, w_first, t, rank)
-    buf = io.BytesIO()
-    torch.save({"opt": first.state_dict(), "model": w_first.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    second, w_second, _ = make(cfg, seed=123)   # fresh objects, other initial weights
-    w_second.load_state_dict(saved["model"])
-    second.load_state_dict(saved["opt"])
-    for t in range(n + 1, 2 * n + 1):
-        train_step(second, w_second, t, rank)
+    first, second, w_second, saved = split_run(cfg, rank, n, 2 * n)
     out = dict(p_full=flat_params(w_full), p_resumed=flat_params(w_second),
                p_off=flat_params(w_off), p_ref=flat_params(w_ref), s_full=full.state_dict(),
                s_resumed=second.state_dict(), s_off=off.state_dict(), s_ref=ref.state_dict(),

@@ -41,8 +41,11 @@ def _comm_worker(rank, world):
     a2a_out = torch.empty_like(a2a_in)
     comm.all_to_all(a2a_out, a2a_in, kind="a2a")
     out["a2a"] = a2a_out
+    out["total_before_pop"] = comm.total_sent_bytes()
     out["stats"] = comm.pop_stats()
     out["after_pop"] = comm.pop_stats()
+    comm.all_reduce(torch.ones(2), kind="payload")
+    out["total_after"] = comm.total_sent_bytes()
     return out
 
 
@@ -70,6 +73,10 @@ def test_collectives_and_byte_counts_three_ranks():
         assert st["comm/sent_bytes"] == sum(v for k, v in st.items()
                                             if k.endswith("_sent_bytes") and k != "comm/sent_bytes")
         assert r["after_pop"]["comm/sent_bytes"] == 0
+        # the run's total keeps what each pop resets
+        data = st["comm/sent_bytes"] - st.get("comm/control_sent_bytes", 0)
+        assert r["total_before_pop"] == data
+        assert r["total_after"] == data + ring_all_reduce_bytes(8, world)
 
 
 def test_single_process_is_a_correct_no_op():

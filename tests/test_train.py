@@ -154,8 +154,11 @@ def _scape_resume_job(rank, world, root, tok_cache, extra):
     pytest.param([], marks=pytest.mark.slow),
     pytest.param(["optimizer.sharded=true", "optimizer.partitioner=flat"], marks=pytest.mark.slow),
     # the wire format's owner-range update residual goes through the checkpoint's shard files
+    # ... and the schedule's phases: a dense step, a linear ramp, the resume, a cooldown
     ["optimizer.sharded=true", "optimizer.partitioner=flat", "optimizer.payload_dtype=bf16",
-     "optimizer.mask_coding=indices"]], ids=["replicated", "sharded", "sharded-bf16-indices"])
+     "optimizer.mask_coding=indices", "optimizer.density_schedule=linear",
+     "optimizer.density_start_step=2", "optimizer.density_cooldown_steps=2"]],
+    ids=["replicated", "sharded", "sharded-bf16-indices-phases"])
 def test_scape_two_ranks_exact_resume(tmp_path, tok_cache, extra):
     """A 2-rank SCAPE run: 2N steps == N + resume + N, bit for bit (losses and parameters)."""
     run_distributed(_scape_resume_job, 2, (str(tmp_path), tok_cache, extra))
@@ -165,6 +168,11 @@ def test_scape_two_ranks_exact_resume(tmp_path, tok_cache, extra):
     rows = [json.loads(l) for l in (tmp_path / "sliced" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("comm/payload_sent_bytes", 0) > 0 for r in rows)
     assert any(0 < r.get("scape/density", 1) < 1 for r in rows)
+    # the run's total bytes survive the resume
+    def total(run_dir):
+        rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [r["comm/total_sent_bytes"] for r in rows if "comm/total_sent_bytes" in r][-1]
+    assert total(tmp_path / "sliced") == total(tmp_path / "straight") > 0
 
 
 def test_activation_checkpointing_and_bf16_autocast_train(tmp_path, tok_cache):

@@ -23,32 +23,32 @@ from .scape.partition import PARTITIONERS
 from .scape.payload import PAYLOAD_DTYPES
 
 
-def _adamw(cfg, model, comm):
+def _adamw(cfg, model, comm, total_steps):
     from .dense import DenseStrategy
     return DenseStrategy(cfg, model, comm, adams=False)
 
 
-def _adams(cfg, model, comm):
+def _adams(cfg, model, comm, total_steps):
     from .dense import DenseStrategy
     return DenseStrategy(cfg, model, comm, adams=True)
 
 
-def _scape(cfg, model, comm):
+def _scape(cfg, model, comm, total_steps):
     from .scape.strategy import ScapeStrategy
-    return ScapeStrategy(cfg, model, comm)
+    return ScapeStrategy(cfg, model, comm, total_steps=total_steps)
 
 
-def _topk(cfg, model, comm):
+def _topk(cfg, model, comm, total_steps):
     from .topk import TopKAdamWStrategy
-    return TopKAdamWStrategy(cfg, model, comm)
+    return TopKAdamWStrategy(cfg, model, comm, total_steps=total_steps)
 
 
-def _powersgd(cfg, model, comm):
+def _powersgd(cfg, model, comm, total_steps):
     from .powersgd import PowerSGDStrategy
     return PowerSGDStrategy(cfg, model, comm)
 
 
-OPTIMIZERS: dict[str, Callable[[OptimizerConfig, nn.Module, Comm | None], OptimizerStrategy]] = {
+OPTIMIZERS: dict[str, Callable[[OptimizerConfig, nn.Module, Comm, int], OptimizerStrategy]] = {
     "adamw": _adamw, "adams": _adams, "scape": _scape, "topk_adamw": _topk,
     "powersgd": _powersgd,
 }
@@ -76,6 +76,9 @@ def validate(cfg: OptimizerConfig) -> None:
          f"density must be in (0, 1] (0.1 = 90% sparsity, 0.01 = 99%), got {cfg.density}")
     need(cfg.density_warmup_steps >= 0,
          f"density_warmup_steps must be >= 0, got {cfg.density_warmup_steps}")
+    need(cfg.density_start_step >= 0 and cfg.density_cooldown_steps >= 0,
+         f"density_start_step and density_cooldown_steps must be >= 0, got "
+         f"{cfg.density_start_step}, {cfg.density_cooldown_steps}")
     need(cfg.density_schedule in SCHEDULES,
          f"density_schedule must be one of {list(SCHEDULES)}, got {cfg.density_schedule!r}")
     need(cfg.partitioner in PARTITIONERS,
@@ -101,11 +104,12 @@ def validate(cfg: OptimizerConfig) -> None:
          "offload_residuals=true applies only to optimizer scape")
 
 
-def build_optimizer(cfg: OptimizerConfig, model: nn.Module,
-                    comm: Comm | None = None) -> OptimizerStrategy:
-    """The strategy named by ``cfg.name`` over ``model`` (build before ``wrap_model``)."""
+def build_optimizer(cfg: OptimizerConfig, model: nn.Module, comm: Comm | None = None,
+                    total_steps: int = 0) -> OptimizerStrategy:
+    """The strategy named by ``cfg.name`` over ``model`` (build before ``wrap_model``).
+    ``total_steps``: the run's length, which places a density cooldown at its end."""
     validate(cfg)
-    return OPTIMIZERS[cfg.name](cfg, model, comm if comm is not None else Comm())
+    return OPTIMIZERS[cfg.name](cfg, model, comm if comm is not None else Comm(), total_steps)
 
 
 __all__ = ["OPTIMIZERS", "OptimizerConfig", "OptimizerStrategy", "build_optimizer", "validate"]

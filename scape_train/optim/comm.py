@@ -183,6 +183,10 @@ def default_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _data_bytes(stats: dict) -> int:
+    return sum(s.sent_bytes for kind, s in stats.items() if kind != "control")
+
+
 @dataclass
 class Comm:
     """Counted collectives over one process group (``None`` = the default group).
@@ -194,6 +198,9 @@ class Comm:
     group: object | None = None
     device: torch.device | None = None
     stats: dict = field(default_factory=lambda: defaultdict(KindStats))
+    # data bytes this rank sent before the current window (a resumed run starts from its
+    # checkpoint's figure)
+    sent_before: int = 0
 
     def __post_init__(self):
         self.enabled = dist.is_available() and dist.is_initialized()
@@ -238,6 +245,12 @@ class Comm:
         """The host time a blocking gloo collective starts (CUDA: events time it instead)."""
         return None if self.device.type == "cuda" else time.perf_counter()
 
+    def total_sent_bytes(self) -> int:
+        """Data bytes this rank sent over the whole run so far, the current window included:
+        every kind but ``control`` (the loss agreement, stop and checkpoint flags, whose count
+        depends on how often a run was stopped and resumed, not on the optimizer)."""
+        return self.sent_before + _data_bytes(self.stats)
+
     def pop_stats(self) -> dict[str, float]:
         """Flat metrics since the last pop (``comm/<kind>_sent_bytes`` ...); resets.
 
@@ -254,6 +267,7 @@ class Comm:
             total_sent += s.sent_bytes
             total_wait += s.wait_s
         out["comm/sent_bytes"] = total_sent
+        self.sent_before += _data_bytes(self.stats)
         out["comm/wait_s"] = total_wait
         self.stats = defaultdict(KindStats)
         return out

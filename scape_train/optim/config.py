@@ -20,8 +20,10 @@ class OptimizerConfig:
     foreach: bool = True              # torch's multi-tensor (foreach) kernels
     # SCAPE / top-k
     density: float = 0.1              # fraction communicated (0.01 = 99% sparsity)
-    density_warmup_steps: int = 0     # geometric warmup from 1.0; 0 = constant
-    density_schedule: str = "geometric"   # geometric | constant
+    density_warmup_steps: int = 0     # warm-up from 1.0 to density; 0 = constant
+    density_schedule: str = "geometric"   # warm-up shape: geometric | linear | constant
+    density_start_step: int = 0       # steps before it: dense data-parallel AdamS (density 1)
+    density_cooldown_steps: int = 0   # the last C steps: geometric back to 1 (flushes residuals)
     partitioner: str = "tensor"       # tensor | flat
     sharded: bool = False             # ZeRO-1 state (spec section 3)
     exclude_norm_bias: bool = True    # scape/top-k: 1-D tensors (biases, norm gains) travel dense

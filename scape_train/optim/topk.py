@@ -23,13 +23,15 @@ from .base import OptimizerStrategy, set_lr
 from .comm import Comm
 from .config import OptimizerConfig
 from .dense import build_local_optimizer, grad_norm_and_clip, load_named_state_dict, named_state_dict
-from .density import density_at, segment_k
+from .density import DensitySchedule, segment_k
 from .state import StateParts
 
 
 class TopKAdamWStrategy(OptimizerStrategy):
-    def __init__(self, cfg: OptimizerConfig, model: nn.Module, comm: Comm | None = None):
+    def __init__(self, cfg: OptimizerConfig, model: nn.Module, comm: Comm | None = None,
+                 total_steps: int = 0):
         self.cfg, self.comm = cfg, comm if comm is not None else Comm()
+        self.schedule = DensitySchedule.of(cfg, total_steps)
         self.optimizer, self._names = build_local_optimizer(cfg, model, adams=False)
         named = dict(model.named_parameters())
         self.names = [self._names[i] for i in range(len(self._names))]
@@ -67,8 +69,7 @@ class TopKAdamWStrategy(OptimizerStrategy):
             grads.append(p.grad.reshape(-1).float())
         acc = torch.cat(grads).add_(self.residual)
         c = self.cfg
-        idx = self._select(acc, density_at(t, c.density, c.density_warmup_steps,
-                                           c.density_schedule))
+        idx = self._select(acc, self.schedule.at(t))
         vals = acc[idx]
         self.residual.copy_(acc).index_fill_(0, idx, 0.0)
         k = idx.numel()  # the same on every rank: k depends only on shapes and the step

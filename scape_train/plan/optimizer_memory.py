@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from scape_train.config import Config
-from scape_train.optim.density import density_at, segment_k
+from scape_train.optim.density import DensitySchedule, segment_k
 from scape_train.plan.simulate import Replay
 
 F32 = 4          # bytes of an fp32 element
@@ -112,8 +112,8 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
     lay = ParamLayout(model, weight_decay=o.weight_decay, exclude_norm_bias=o.exclude_norm_bias)
     part = build_partition(lay, world, o.partitioner)
     n = lay.total
-    # The largest payload: the density at step 1 (a geometric warmup starts from dense).
-    d = density_at(1, o.density, o.density_warmup_steps, o.density_schedule)
+    # The largest payload: the schedule's peak density (a warm-up starts from dense).
+    d = DensitySchedule.of(o, cfg.trainer.max_steps).peak()
 
     def count(seg) -> int:
         return seg.numel if lay.excluded[seg.tensor] else segment_k(seg.numel, d)
@@ -235,16 +235,14 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
 def fused_density(cfg: Config, n: int, counts_at) -> float | None:
     """The largest density at which a run of ``cfg`` takes the fused step (``select_path``: its
     mask holds at most FUSED_MAX_FRACTION of the ``n`` parameters), or None if it never does.
-    Densities only fall over a warm-up, so that is the first fused step's."""
+    Densities fall over a warm-up and rise over a cooldown: the largest is taken."""
     from scape_train.optim.scape.fused import FUSED_MAX_FRACTION
     o = cfg.optimizer
     if o.scape_impl != "fused" or o.payload_dtype != "fp32" or o.offload_residuals:
         return None
-    for step in range(1, max(1, o.density_warmup_steps) + 2):
-        d = density_at(step, o.density, o.density_warmup_steps, o.density_schedule)
-        if counts_at(d) <= FUSED_MAX_FRACTION * n:
-            return d
-    return None
+    schedule = DensitySchedule.of(o, cfg.trainer.max_steps)
+    densities = sorted({schedule.at(t) for t in schedule.changing_steps()}, reverse=True)
+    return next((d for d in densities if counts_at(d) <= FUSED_MAX_FRACTION * n), None)
 
 
 def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: OptimizerMemory,
@@ -273,7 +271,7 @@ def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: Op
     extra = fused.held - sum(b for _, b in mem.state)
     if extra > 0:
         mem.state.append(("SCAPE fused step: mask indices, index plans, decode tables", extra))
-    if d == density_at(1, o.density, o.density_warmup_steps, o.density_schedule) \
+    if d == DensitySchedule.of(o, cfg.trainer.max_steps).at(1) \
             or fused.step > mem.step:
         mem.step, mem.step_where = fused.step, f"fused step at density {d:.3g}: {fused.where}"
 
@@ -297,7 +295,7 @@ def _adams_masked(bias_correction: str, numels: list[int]) -> int:
 # -- top-k AdamW -----------------------------------------------------------------------------------
 def _topk(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory:
     o = cfg.optimizer
-    d = density_at(1, o.density, o.density_warmup_steps, o.density_schedule)
+    d = DensitySchedule.of(o, cfg.trainer.max_steps).peak()
     ks = [n if (o.exclude_norm_bias and nd < 2) else segment_k(n, d) for n, nd in zip(p.numels, p.ndims)]
     k, n = sum(ks), p.total
     mem = OptimizerMemory(state=_adam_state("adamw", n) + [("top-k residual (fp32)", F32 * n),

@@ -21,7 +21,7 @@ from torch import nn
 from ..base import OptimizerStrategy
 from ..comm import Comm
 from ..config import OptimizerConfig
-from ..density import density_at
+from ..density import DensitySchedule
 from ..grad_buffer import FlatGradBuffer
 from ..state import FlatShard, ShardSource, StateParts
 from . import native
@@ -50,8 +50,10 @@ class _RunOnce:
 
 
 class ScapeStrategy(OptimizerStrategy):
-    def __init__(self, cfg: OptimizerConfig, model: nn.Module, comm: Comm | None = None):
+    def __init__(self, cfg: OptimizerConfig, model: nn.Module, comm: Comm | None = None,
+                 total_steps: int = 0):
         self.cfg = cfg
+        self.schedule = DensitySchedule.of(cfg, total_steps)
         self.comm = comm if comm is not None else Comm()
         self.layout = ParamLayout(model, weight_decay=cfg.weight_decay,
                                   exclude_norm_bias=cfg.exclude_norm_bias)
@@ -94,8 +96,7 @@ class ScapeStrategy(OptimizerStrategy):
             p.grad = None
 
     def density(self, step: int) -> float:
-        c = self.cfg
-        return density_at(step, c.density, c.density_warmup_steps, c.density_schedule)
+        return self.schedule.at(step)
 
     def _grads(self) -> list[torch.Tensor]:
         """Every parameter's gradient, flattened (views of ``p.grad`` where it is contiguous;
@@ -166,10 +167,18 @@ class ScapeStrategy(OptimizerStrategy):
         # M_{t+1}'s top-k reads the candidate only, not the averaged payload: the fused engines
         # run it while the payload's collective is in flight; the others leave it to here
         d_next = self.density(t + 1)
-        next_topk = _RunOnce(lambda: topk_own_mask(stat, self.part, self.comm.rank, self.layout,
-                                                   d_next))
-        metrics = self.engine.update(mask, lr, t, counts, during_payload=next_topk)
-        own_bits = next_topk()
+        if self.schedule.dense(t):
+            # a dense-phase step is data-parallel AdamS; the mask that starts the sparse phase is
+            # the top-k of the averaged momentum m_t (spec §2 line 9, start step), read after
+            # the update: every owner holds m_t on its segments
+            metrics = self.engine.update(mask, lr, t, counts)
+            own_bits = topk_own_mask(self._own_momentum(), self.part, self.comm.rank,
+                                     self.layout, d_next)
+        else:
+            next_topk = _RunOnce(lambda: topk_own_mask(stat, self.part, self.comm.rank,
+                                                       self.layout, d_next))
+            metrics = self.engine.update(mask, lr, t, counts, during_payload=next_topk)
+            own_bits = next_topk()
         self._pending = self.exchange.start(own_bits, d_next, async_op=True)
         metrics.update(self.engine.finish_step())   # after the top-k has read the candidate
         self._cur, self.steps_done = mask, t
@@ -180,6 +189,12 @@ class ScapeStrategy(OptimizerStrategy):
                                                     self._overlap_bits) / max(ones, 1.0)
         mask.settle()         # one form of M_t between steps: its indices, or its bool tensor
         return metrics
+
+    def _own_momentum(self) -> torch.Tensor:
+        """m over this rank's owner range (the engine holds all of it, or that range)."""
+        lo, hi = self.part.ranges[self.comm.rank]
+        state_lo = self.engine.state_range[0]
+        return self.engine.m[lo - state_lo:hi - state_lo]
 
     def _first_mask(self, stat: torch.Tensor, density: float) -> Mask:
         if density >= 1.0:
