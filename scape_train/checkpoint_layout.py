@@ -23,9 +23,9 @@ host as it writes it (views of a flat state tensor are written as that one stora
 
 The same functions run on meta-device models and strategies built with :class:`AccountingComm`
 (an assumed world size and rank, no process group), which is how ``scripts/bench_checkpoint.py``
-sizes checkpoints of models that need not fit here. ``rule="every_rank_full"`` is the layout
-before this one (every rank wrote its full state, sharded state gathered; the model on rank 0),
-kept for that comparison only.
+sizes checkpoints of models that need not fit here. ``rule="every_rank_full"`` is the naive
+layout (every rank writes its full state, sharded state gathered; the model on rank 0), kept as
+the benchmark's point of comparison.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-from scape_train.optim.comm import Comm
+from scape_train.comm import Comm
 from scape_train.optim.state import (FlatShard, MemoryShards, ShardSource, StateParts,
                                     assemble_range)
 
@@ -157,7 +157,6 @@ def materialize_for_accounting(strategy) -> None:
     first step (a torch optimizer's moments, SCAPE's current and next masks) as empty meta
     tensors, so that ``checkpoint_state()`` has the shapes of a checkpoint taken mid-run.
     No value is computed and no collective issued."""
-    from scape_train.optim.scape.masks import PendingMask
     from scape_train.optim.scape.strategy import ScapeStrategy
 
     params = [p for g in strategy.optimizer.param_groups for p in g["params"]] \
@@ -166,9 +165,8 @@ def materialize_for_accounting(strategy) -> None:
         lay = strategy.layout
         if lay.device.type != "meta":
             raise ValueError("materialize_for_accounting runs on meta-device strategies only")
-        strategy.mask_cur = torch.empty(lay.total, dtype=torch.bool, device="meta")
-        nxt = torch.empty(lay.total, dtype=torch.bool, device="meta")
-        strategy._pending = PendingMask.ready(nxt, strategy.exchange)
+        strategy.set_masks(torch.empty(lay.total, dtype=torch.bool, device="meta"),
+                           torch.empty(lay.total, dtype=torch.bool, device="meta"))
         return
     if any(p.device.type != "meta" for p in params):
         raise ValueError("materialize_for_accounting runs on meta-device strategies only")

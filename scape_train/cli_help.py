@@ -36,22 +36,21 @@ A key that no schema has fails at once, naming the closest valid key (also with 
 """
 
 
-def register_help_resolver() -> None:
+def register_help_resolver(schema: type) -> None:
+    """The help text's resolver, listing every field of the root ``schema``."""
     if not OmegaConf.has_resolver(RESOLVER):
-        OmegaConf.register_new_resolver(RESOLVER, _help_text)
+        OmegaConf.register_new_resolver(RESOLVER, functools.partial(_help_text, schema=schema))
 
 
-def _help_text(*, _root_: DictConfig) -> str:
+def _help_text(*, _root_: DictConfig, schema: type) -> str:
     try:
-        return _build_help(_root_)
+        return _build_help(_root_, schema)
     except Exception as exc:  # noqa: BLE001 - help must never be the thing that fails
         return (f"{_HEADER}\n(the option list could not be built: {exc})\n\n$APP_CONFIG_GROUPS\n"
                 .replace("$", "$$").replace("$$APP_CONFIG_GROUPS", "$APP_CONFIG_GROUPS"))
 
 
-def _build_help(_root_: DictConfig) -> str:
-    from scape_train.config import Config
-
+def _build_help(_root_: DictConfig, schema: type) -> str:
     choices = {}
     try:
         choices = dict(_root_.hydra.runtime.choices)
@@ -63,7 +62,7 @@ def _build_help(_root_: DictConfig) -> str:
              "$APP_CONFIG_GROUPS",
              "== Options: KEY=VALUE (the value this command line composes to) and what it does ==",
              ""]
-    lines += option_lines(Config, _root_)
+    lines += option_lines(schema, _root_)
     lines += ["", "Hydra's own flags: --hydra-help. Docs: README.md."]
     # Hydra substitutes $APP_CONFIG_GROUPS with string.Template: escape every other "$".
     text = "\n".join(lines)

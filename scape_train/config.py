@@ -98,7 +98,7 @@ def register_configs() -> None:
     cs.store(name="base_config", node=Config)
     from scape_train.cli_help import register_help_resolver
 
-    register_help_resolver()
+    register_help_resolver(Config)
 
 
 class ConfigError(ValueError):

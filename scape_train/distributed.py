@@ -3,7 +3,7 @@
 Under ``torchrun`` (WORLD_SIZE > 1 in the environment) the process group is initialised with
 NCCL on GPUs and gloo on CPUs; without it the same code runs as a single process. Every
 collective, start-up and checkpoint agreement included, goes through ``info.comm``
-(``optim/comm.py``): device tensors only, counted.
+(``comm.py``): device tensors only, counted.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from scape_train.optim.comm import Comm, enforce_comm_only_from_env
+from scape_train.comm import Comm, enforce_comm_only_from_env
 
 
 @dataclass

@@ -22,8 +22,8 @@ its tensor inputs plus its outputs (an in-place op's ``self`` is read and writte
 (``index_select``, ``index_copy_``, ``index_fill_``, ``index_add_``, ``gather``, ``scatter_``,
 ``index``, ``index_put_``) only the touched elements and the index. It ignores caches and
 fusion: a model of DRAM traffic for unfused kernels, a code-path comparison, not a measurement.
-SCAPE's C loops and Triton kernels never reach the dispatcher: they report their own bytes
-(``add_native``, ``add_kernel``; a Triton launch also counts as one launch, in ``kernel_bytes``).
+SCAPE's Triton kernels never reach the dispatcher: they report their own bytes (``add_kernel``;
+a Triton launch also counts as one launch, in ``kernel_bytes``).
 """
 
 from __future__ import annotations
@@ -180,25 +180,20 @@ class DeviceOpCounter:
         return sum(self.sync_sites.values())
 
     def __enter__(self) -> "DeviceOpCounter":
-        from .optim.scape import native    # SCAPE's C loops count themselves: no torch op
+        from .optim.scape import traffic   # Triton launches count themselves: no torch op
 
         self._modes = [_Function(self), _Dispatch(self)]
         for m in self._modes:
             m.__enter__()
-        native.counters.append(self)
+        traffic.counters.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        from .optim.scape import native
+        from .optim.scape import traffic
 
-        native.counters.remove(self)
+        traffic.counters.remove(self)
         for m in reversed(self._modes):
             m.__exit__(*exc)
-
-    def add_native(self, name: str, nbytes: int) -> None:
-        """A C loop of SCAPE's CPU path (optim/scape/native): its bytes read and written."""
-        self.ops[f"native::{name}"] += 1
-        self.bytes_moved += nbytes
 
     def add_kernel(self, name: str, nbytes: int) -> None:
         """A Triton kernel (``optim/scape/counted_launch``): one launch, its bytes read and

@@ -88,14 +88,6 @@ def autocast_context(cfg: Config, device: torch.device):
     return contextlib.nullcontext
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each block in backward; the composable API keeps parameter names unchanged."""
-    from torch.distributed._composable import checkpoint
-
-    for block in model.layers:
-        checkpoint(block)
-
-
 def evaluate(model, batches, autocast, info: D.DistInfo, limit: int = 0) -> float:
     """Mean token loss over the fixed validation set (all ranks' shares)."""
     was_training = model.training
@@ -167,7 +159,7 @@ class Trainer:
 
     def _build(self) -> None:
         from scape_train.data import build_tokenizer, build_train_loader, build_val_batches
-        from scape_train.models import build_model
+        from scape_train.models import apply_activation_checkpointing, build_model
         from scape_train.optim import build_optimizer
 
         cfg, info = self.cfg, self.info

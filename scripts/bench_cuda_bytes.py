@@ -4,8 +4,8 @@
     .venv/bin/python scripts/bench_cuda_bytes.py [--world 4] [--densities 0.1,0.01] \
         [--docs docs/figures]
 
-The CUDA path is what runs where the device may not be read back: static sizes
-(``kernels.HOST_READS_ON_CPU = False``: top-k by ``torch.topk``, ``nonzero_static``), no C loops.
+The CUDA path is what runs where the device may not be read back: static shapes
+(``optimizer.static_shapes``: top-k by ``torch.topk``, ``nonzero_static``).
 Two variants of its fused step are counted:
 - ``torch ops``: ``use_triton=off`` -- the fused engine's torch ops (what CUDA ran before the
   Triton passes);
@@ -13,10 +13,10 @@ Two variants of its fused step are counted:
   Triton mask and payload kernels, run here by Triton's interpreter (``TRITON_INTERPRET=1``) on
   CPU tensors. The interpreter is slow, so the model is a ~7M-parameter Llama, not
   bench_optim's 50M (bytes per parameter hardly depend on the size at a fixed density).
-Beside them, for scale: the CPU path (C loops, host reads on) and dense AdamS.
+Beside them, for scale: the CPU path (torch ops, host reads on) and dense AdamS.
 
 What is counted (``profiling.DeviceOpCounter``): every dispatched torch op's inputs and outputs,
-and every C / Triton pass by the elements it reads and writes (``native._TRAFFIC``) -- logical
+and every Triton pass by the elements it reads and writes (``traffic.TRAFFIC``) -- logical
 bytes, not DRAM sectors: on a GPU a k-sized gather reads whole 32-byte sectors, so at d = 0.1
 scattered 4-byte reads can cost up to 8x their count. SCAPE runs as rank 0 of ``--world``
 ranks with local stand-ins for the collectives (bench_optim's ``LocalComm``); the split gives
@@ -45,7 +45,6 @@ from bench_optim import build, fill_grads, write_results  # noqa: E402
 
 from scape_train.models import build_model  # noqa: E402
 from scape_train.models.config import ModelConfig  # noqa: E402
-from scape_train.optim.scape import kernels  # noqa: E402
 from scape_train.profiling import DeviceOpCounter  # noqa: E402
 
 MODEL = ModelConfig(name="llama_7m", arch="llama", n_layers=4, d_model=256, n_heads=4,
@@ -102,7 +101,7 @@ def count(model, spec: tuple, steps: int, params: int) -> dict:
     s.zero_grad()
     s.close()
     row = {"bytes_per_param": ops.bytes_moved / params,
-           "passes": {k: v for k, v in ops.ops.items() if k.startswith("native::")}}
+           "passes": {k: v for k, v in ops.ops.items() if k.startswith("triton::")}}
     if ph is not None:
         split = {k: v / params for k, v in ph.b.items()}
         split["other"] = row["bytes_per_param"] - sum(split.values())
@@ -146,19 +145,15 @@ def main() -> None:
         for sharded in (False, True):
             mode = "sharded" if sharded else "replicated"
             kw = dict(density=d, scape_impl="fused", sharded=sharded)
-            rows[f"CPU path (C loops), {mode}, d={d}"] = count(
-                model, ("scape", args.world, kw), args.steps, params)
-            kernels.HOST_READS_ON_CPU = False       # the CUDA path from here on
-            try:
-                os.environ["SCAPE_NATIVE"] = "0"
-                rows[f"CUDA path, torch ops, {mode}, d={d}"] = count(
-                    model, ("scape", args.world, kw), args.steps, params)
-                rows[f"CUDA path, Triton, {mode}, d={d}"] = count(
-                    model, ("scape", args.world, {**kw, "use_triton": "on"}), args.steps,
-                    params)
-            finally:
-                os.environ.pop("SCAPE_NATIVE", None)
-                kernels.HOST_READS_ON_CPU = True
+            rows[f"CPU path (torch ops), {mode}, d={d}"] = count(
+                model, ("scape", args.world, {**kw, "use_triton": "off"}), args.steps, params)
+            static = {**kw, "static_shapes": True}       # the CUDA path
+            rows[f"CUDA path, torch ops, {mode}, d={d}"] = count(
+                model, ("scape", args.world, {**static, "use_triton": "off"}), args.steps,
+                params)
+            rows[f"CUDA path, Triton, {mode}, d={d}"] = count(
+                model, ("scape", args.world, {**static, "use_triton": "on"}), args.steps,
+                params)
             print(f"d={d} {mode}: " + ", ".join(
                 f"{n.split(',')[0].split('(')[0].strip()} {r['bytes_per_param']:.1f}"
                 for n, r in rows.items() if f"{mode}, d={d}" in n), flush=True)

@@ -47,18 +47,16 @@ CONTENDERS = {
 
 
 def _worker(rank, world, kw, steps):
-    from scape_train.optim.scape import kernels
-
-    # what a CUDA step runs: the CPU's data-dependent fast paths (torch.nonzero, the counted
-    # top-k threshold) read sizes on the host, which only the CPU can afford
-    kernels.HOST_READS_ON_CPU = False
     from scape_train.optim import build_optimizer
     from scape_train.optim.config import OptimizerConfig
     from scape_train.profiling import DeviceOpCounter
 
     torch.manual_seed(0)
     model = build_model(MODEL, vocab_size=MODEL.vocab_size, device=torch.device("cpu"))
-    strategy = build_optimizer(OptimizerConfig(**kw), model)
+    # what a CUDA step runs: the CPU's data-dependent top-k reads sizes on the host, which only
+    # the CPU can afford
+    static = {"static_shapes": True} if kw.get("name") == "scape" else {}
+    strategy = build_optimizer(OptimizerConfig(**kw, **static), model)
     wrapped = strategy.wrap_model(model)
     rows = []
     for t in range(1, steps + 1):

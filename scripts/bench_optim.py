@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from scape_train.models import build_model  # noqa: E402
 from scape_train.models.config import ModelConfig  # noqa: E402
 from scape_train.optim import build_optimizer  # noqa: E402
-from scape_train.optim.comm import Comm, Handle  # noqa: E402
+from scape_train.comm import Comm, Handle  # noqa: E402
 from scape_train.optim.config import OptimizerConfig  # noqa: E402
 from scape_train.optim.grad_buffer import write_grads  # noqa: E402
 from scape_train.optim.scape import strategy as scape_strategy  # noqa: E402
@@ -130,7 +130,7 @@ def _timed_topk(*a, **k):
 scape_strategy.topk_own_mask = _timed_topk   # the strategy's top-k, timed
 
 
-def build(model, name: str, world: int, kw: dict, env: dict | None = None):
+def build(model, name: str, world: int, kw: dict):
     if name != "scape":
         return build_optimizer(OptimizerConfig(name=name, **kw), model), None
     comm = LocalComm(world)
@@ -142,29 +142,7 @@ def build(model, name: str, world: int, kw: dict, env: dict | None = None):
     rows = [plan.encode(topk_own_mask(stat[lo:hi], s.part, r, s.layout, d), r, "torch")
             for r, (lo, hi) in enumerate(s.part.ranges)]
     comm.mask_rows = torch.cat([r.view(-1) for r in rows])
-    if env:
-        _with_env(s, env)
     return s, Phases(s)
-
-
-def _with_env(s, env: dict) -> None:
-    """Run every step of ``s`` with ``env`` set (``SCAPE_NATIVE=0``: the torch ops CUDA runs,
-    in place of the C loops; the variable is read at each call)."""
-    step = s.step
-
-    def stepped(*a, **k):
-        old = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
-        try:
-            return step(*a, **k)
-        finally:
-            for key, v in old.items():
-                if v is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = v
-
-    s.step = stepped
 
 
 def step_bytes(s, model, params: int) -> float:
@@ -268,8 +246,8 @@ def main() -> None:
         for impl in ("reference", "fused"):
             contenders[f"SCAPE {impl}, d={d}"] = ("scape", args.world, dict(
                 density=d, scape_impl=impl))
-        contenders[f"SCAPE fused, d={d}, torch ops"] = ("scape", args.world, dict(
-            density=d, scape_impl="fused"), {"SCAPE_NATIVE": "0"})
+        contenders[f"SCAPE fused, d={d}, static shapes"] = ("scape", args.world, dict(
+            density=d, scape_impl="fused", static_shapes=True))
         contenders[f"SCAPE fused, d={d}, bitmap mask"] = ("scape", args.world, dict(
             density=d, scape_impl="fused", mask_coding="bitmap"))
         if not args.no_sharded:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from scape_train.models import build_model  # noqa: E402
 from scape_train.models.config import ModelConfig  # noqa: E402
 from scape_train.optim import build_optimizer  # noqa: E402
-from scape_train.optim.comm import Comm  # noqa: E402
+from scape_train.comm import Comm  # noqa: E402
 from scape_train.optim.config import OptimizerConfig  # noqa: E402
 
 

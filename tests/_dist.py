@@ -67,7 +67,7 @@ def _worker(rank, world_size, port, payload, out_dir, environ, cwd, out_fds):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from scape_train.optim.comm import enforce_comm_only_from_env
+    from scape_train.comm import enforce_comm_only_from_env
 
     enforce_comm_only_from_env()     # a new process: conftest did not run here
     result_path = os.path.join(out_dir, f"rank{rank}.pt")

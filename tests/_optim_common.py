@@ -7,7 +7,7 @@ from torch import nn
 
 from scape_train.metrics import read_on_host
 from scape_train.optim import build_optimizer
-from scape_train.optim.comm import Comm
+from scape_train.comm import Comm
 from scape_train.optim.config import OptimizerConfig
 
 

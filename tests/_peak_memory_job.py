@@ -23,7 +23,8 @@ import torch
 from scape_train.config import Config, grad_accum_steps
 from scape_train.models import build_model
 from scape_train.optim import build_optimizer
-from scape_train.train import apply_activation_checkpointing, autocast_context
+from scape_train.models import apply_activation_checkpointing
+from scape_train.train import autocast_context
 from tests.helpers import compose_config
 
 

@@ -1,6 +1,6 @@
 """Test-wide environment: offline hubs, W&B off, Triton interpreted (before triton is imported),
 and NCCL's discipline on every process: a collective issued from the package outside
-``optim/comm.py`` raises (``SCAPE_STRICT_COMM=1`` reaches subprocesses and torchrun workers)."""
+``comm.py`` raises (``SCAPE_STRICT_COMM=1`` reaches subprocesses and torchrun workers)."""
 
 import os
 
@@ -16,7 +16,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from scape_train.optim.comm import enforce_comm_only_from_env  # noqa: E402
+from scape_train.comm import enforce_comm_only_from_env  # noqa: E402
 
 enforce_comm_only_from_env()
 

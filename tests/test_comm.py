@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scape_train.optim.comm import (Comm, all_to_all_bytes, ring_all_gather_bytes,
+from scape_train.comm import (Comm, all_to_all_bytes, ring_all_gather_bytes,
                                     ring_all_reduce_bytes, ring_reduce_scatter_bytes)
 
 from ._dist import run_distributed

@@ -7,7 +7,7 @@ import torch
 
 from scape_train.metrics import read_on_host
 
-from scape_train.optim.comm import ring_all_gather_bytes, ring_all_reduce_bytes
+from scape_train.comm import ring_all_gather_bytes, ring_all_reduce_bytes
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.density import segment_k
 from scape_train.optim.powersgd import powersgd_sizes

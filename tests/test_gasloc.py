@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scape_train.optim.comm import Comm, ring_all_reduce_bytes
+from scape_train.comm import Comm, ring_all_reduce_bytes
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.local import StrategyConfig, build_local_strategy, validate
 from scape_train.optim.local.diloco import DiLoCo

@@ -183,14 +183,10 @@ def test_validation_errors(backend: str) -> None:
         K.pack_bits(mask, backend="cuda")
 
 
-def test_auto_backend_and_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_backend_is_torch_on_the_cpu() -> None:
     cpu = torch.zeros(3, dtype=torch.bool)
     assert K.resolve_backend("auto", cpu) == "torch"  # CPU tensors never go to triton by default
-    monkeypatch.setenv("SCAPE_KERNEL_BACKEND", "torch")
-    assert K.resolve_backend("auto", cpu) == "torch"
-    monkeypatch.setenv("SCAPE_KERNEL_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="SCAPE_KERNEL_BACKEND"):
-        K.resolve_backend("auto", cpu)
+    assert K.resolve_backend("torch", cpu) == "torch"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,6 +1,6 @@
 """NCCL's rules, enforced on the CPU: what would stop or serialize a GPU run fails here first.
 
-- every collective of the package goes through ``optim/comm.py`` (the guard the suite runs under)
+- every collective of the package goes through ``comm.py`` (the guard the suite runs under)
   and ``Comm`` refuses a tensor that is not on its group's device (NCCL refuses host tensors);
 - the step timer never synchronizes the device inside a step (that would wait for SCAPE's
   overlapped mask all-gather and stop the host from running ahead);
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import scape_train.checkpoint as checkpoint_module
 from scape_train import metrics as metrics_module
-from scape_train.optim.comm import Comm, CollectiveOutsideCommError
+from scape_train.comm import Comm, CollectiveOutsideCommError
 from scape_train.optim.config import OptimizerConfig
 from scape_train.profiling import DeviceOpCounter
 
@@ -29,7 +29,7 @@ def _guard_worker(rank, world):
     t = torch.ones(3)
     # package code calling torch.distributed directly, as checkpoint.py and distributed.py did
     snippet = compile("dist.all_reduce(t)", checkpoint_module.__file__, "exec")
-    with pytest.raises(CollectiveOutsideCommError, match="outside optim/comm.py"):
+    with pytest.raises(CollectiveOutsideCommError, match="outside comm.py"):
         exec(snippet, {"dist": dist, "t": t})
     Comm().all_reduce(t, kind="x", average=False)       # through Comm: allowed
     with pytest.raises(ValueError, match="NCCL refuses host tensors"):
@@ -74,18 +74,12 @@ def test_step_timer_never_synchronizes_inside_a_step(monkeypatch):
     assert set(totals) == {"data", "fwd_bwd", "optimizer"} and all(v >= 0 for v in totals.values())
 
 
-def _device_top_k() -> None:
-    """The rules are CUDA's: run the static-size path a CUDA device runs (the CPU's top-k and
-    nonzero read sizes on the host, which stalls nothing there; tests/test_scape_units.py checks
-    they select the same)."""
-    from scape_train.optim.scape import kernels
-
-    kernels.HOST_READS_ON_CPU = False
-
-
 def _step_sync_worker(rank, world, cfg_kw, steps):
-    _device_top_k()
-    strategy, wrapped, _ = make(OptimizerConfig(**cfg_kw), width=64)
+    # the rules are CUDA's: the static-shape path a CUDA device runs (the CPU's top-k reads
+    # sizes on the host, which stalls nothing there; tests/test_scape_units.py checks they
+    # select the same)
+    static = {"static_shapes": True} if cfg_kw["name"] == "scape" else {}
+    strategy, wrapped, _ = make(OptimizerConfig(**cfg_kw, **static), width=64)
     counts = []
     for t in range(1, steps + 1):
         x, y = batch(t, rank)
@@ -120,11 +114,11 @@ def test_optimizer_step_reads_nothing_back_from_the_device(cfg_kw):
 
 
 @pytest.mark.parametrize("extra", [["optimizer=scape", "optimizer.density=0.1",
-                                    "optimizer.density_warmup_steps=2"], ["optimizer=adamw"]],
+                                    "optimizer.density_warmup_steps=2",
+                                    "optimizer.static_shapes=true"], ["optimizer=adamw"]],
                          ids=["scape", "adamw"])
 def test_trainer_step_makes_one_host_sync(tmp_path, tmp_path_factory, extra, monkeypatch):
     """The loss agreement is the step's one read; metrics are read at log steps only."""
-    monkeypatch.setattr("scape_train.optim.scape.kernels.HOST_READS_ON_CPU", False)
     from scape_train.metrics import StepTimer
     from scape_train.train import Trainer, _StopSignal
 

@@ -108,11 +108,14 @@ STEP_CASES = {
     "adamw": ["optimizer=adamw"],
     "adamw_loop": ["optimizer=adamw", "optimizer.foreach=false"],
     "adams_official": ["optimizer=adams", "optimizer.bias_correction=official"],
-    "scape": ["optimizer=scape", "optimizer.density=0.05", "optimizer.density_warmup_steps=0"],
+    # the traced fused step is the static-shape path: the real one runs it too (the CPU's
+    # data-dependent path allocates less; the warm-up test below checks the plan bounds it)
+    "scape": ["optimizer=scape", "optimizer.density=0.05", "optimizer.density_warmup_steps=0",
+              "optimizer.static_shapes=true"],
     "scape_sharded": ["optimizer=scape", "optimizer.sharded=true", "optimizer.density=0.05",
-                      "optimizer.density_warmup_steps=0"],
+                      "optimizer.density_warmup_steps=0", "optimizer.static_shapes=true"],
     "scape_sharded_dense": ["optimizer=scape", "optimizer.sharded=true", "optimizer.density=1.0",
-                            "optimizer.density_warmup_steps=0"],
+                            "optimizer.density_warmup_steps=0", "optimizer.static_shapes=true"],
     "topk": ["optimizer=topk_adamw", "optimizer.density=0.05"],
     "diloco": ["strategy=diloco", "optimizer=adamw", "strategy.inner_steps=1"],
     "gasloc": ["strategy=gasloc", "optimizer=adams", "strategy.inner_steps=1",
@@ -125,11 +128,8 @@ def test_step_replay_matches_the_bytes_a_real_step_allocates(case, monkeypatch):
     # the real step is counted by the dispatcher, which cannot see a library op's internal
     # workspace (CPU topk's sort): the traced fused step leaves it out here too
     monkeypatch.setattr("scape_train.plan.scape_step.CPU_TOPK_WORKSPACE", 0)
-    # and the traced fused step is the static-size path: the real one runs it too (the CPU's
-    # data-dependent path allocates less; the warm-up test below checks the plan bounds it)
-    monkeypatch.setattr("scape_train.optim.scape.kernels.HOST_READS_ON_CPU", False)
     from scape_train.optim import build_optimizer
-    from scape_train.optim.comm import Comm
+    from scape_train.comm import Comm
     from scape_train.optim.local import build_local_strategy
 
     cfg = compose_config(["model.n_layers=2", "model.d_model=256", "model.n_heads=4",

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from scape_train.optim import build_optimizer
-from scape_train.optim.comm import (Comm, ring_all_gather_bytes, ring_all_reduce_bytes,
+from scape_train.comm import (Comm, ring_all_gather_bytes, ring_all_reduce_bytes,
                                     ring_reduce_scatter_bytes)
 from scape_train.optim.config import OptimizerConfig
 

@@ -4,10 +4,8 @@ line): same masks, parameters, momentum and residuals, in one process and on glo
 Tolerance: the fused engine runs the reference's elementwise ops in the reference's order on
 every coordinate, but on k-sized gathered tensors instead of full-size ones, so a coordinate can
 fall in a vectorized body (FMA in ``add(alpha=)``/``addcmul``) in one and in a scalar tail
-(separate multiply and add) in the other. On the CPU the fused step's O(k) passes run as C loops
-(``native/scape_cpu.c``), whose ``sqrtf`` is correctly rounded where torch's AVX-512 ``sqrt`` is
-not (1 ulp off on ~20% of random inputs, measured), and whose ``‖ĝ‖`` sums in double. So each
-step may differ by ~1 ulp per op, and the parameters' gradients then differ by what 1 ulp of a
+(separate multiply and add) in the other; the Triton passes round ``sqrt`` correctly where
+torch's AVX-512 ``sqrt`` may be 1 ulp off, and sum ``‖ĝ‖`` in double. So each step may differ by ~1 ulp per op, and the parameters' gradients then differ by what 1 ulp of a
 parameter changes. We check, over 6 steps, every tensor to ``rtol=1e-6`` plus ``1e-6`` of its own
 largest entry (a few ulps of the tensor's scale), and exact equality of every mask; the §2
 invariants (tests/_scape_checks.py) hold exactly.
@@ -19,7 +17,6 @@ import pytest
 import torch
 
 from scape_train.optim.config import OptimizerConfig
-from scape_train.optim.scape import native
 
 from ._dist import run_distributed
 from ._optim_common import flat_params, make, train_step
@@ -77,10 +74,9 @@ def test_fused_equals_reference_one_worker(sharded, bias_correction):
 
 @pytest.mark.parametrize("coding", ["elias_fano", "bitmap", "indices"])
 def test_decoded_indices_equal_the_mask(coding):
-    """The decode hands the step the mask's sorted indices and writes no bool mask: the C
-    decode for every per-segment coding (not the whole-range bitmap; with the mask packed 1 bit
-    per element), the torch decode for Elias-Fano (with all-ones segments); the others hand the
-    bool mask, and the update takes nonzero_static of it. All give the same step, and no
+    """The torch decode hands the step the mask's sorted indices and writes no bool mask for
+    Elias-Fano (with all-ones segments); the others hand the bool mask, and the update takes
+    nonzero_static of it (the Triton decode's indices: tests/test_triton_codecs.py). All give the same step, and no
     byte-per-element mask outlives one."""
     _compare(_pair_run(0, mask_coding=coding, density_warmup_steps=0))
     s, w, _ = make(_cfg(mask_coding=coding, density_warmup_steps=0))
@@ -99,10 +95,8 @@ def test_decoded_indices_equal_the_mask(coding):
     for t in range(1, 4):
         train_step(s, w, t, 0)
         assert s._cur._dense is None or coding == "bitmap"   # none kept past the step
-    c_decode = coding != "bitmap" and native.lib(torch.zeros(1)) is not None
-    given = coding == "elias_fano" or c_decode
-    # step 1's mask is built synchronously; the C decode adds the packed bits
-    assert seen[1:] == [(given, not given, c_decode)] * 2
+    given = coding == "elias_fano"
+    assert seen[1:] == [(given, not given, False)] * 2     # step 1's mask is built synchronously
 
 
 def test_fused_default_and_invariants_one_worker():
@@ -145,15 +139,16 @@ def test_a_density_warmup_starts_on_the_reference_path_and_switches_to_the_fused
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-@pytest.mark.parametrize("c_loops", [True, False])
-def test_next_topk_runs_while_the_payload_collective_is_in_flight(sharded, c_loops, monkeypatch):
+@pytest.mark.parametrize("use_triton", ["on", "off"])
+def test_next_topk_runs_while_the_payload_collective_is_in_flight(sharded, use_triton,
+                                                                  monkeypatch):
     """M_{t+1}'s top-k needs the candidate, not the averaged payload: the fused step starts the
     payload's collective asynchronously, runs the top-k, then waits."""
     from scape_train.optim.scape import strategy as scape_strategy
 
-    if not c_loops:
-        monkeypatch.setenv("SCAPE_NATIVE", "0")
-    s, w, _ = make(_cfg(sharded=sharded, density_warmup_steps=0))
+    if use_triton == "on":
+        pytest.importorskip("triton")
+    s, w, _ = make(_cfg(sharded=sharded, density_warmup_steps=0, use_triton=use_triton))
     events: list = []
     op = "reduce_scatter" if sharded else "all_reduce"
     collective = getattr(s.comm, op)
@@ -178,14 +173,13 @@ def test_next_topk_runs_while_the_payload_collective_is_in_flight(sharded, c_loo
 
 
 def test_the_deferred_fold_is_skipped_by_the_next_prepare_and_applied_for_any_other_reader():
-    """The replicated C/Triton step leaves ``e[M] = 0`` to the next reader: the next prepare
+    """The replicated Triton step leaves ``e[M] = 0`` to the next reader: the next prepare
     overwrites those positions and skips it; state readers get it applied. Stepping without
     reading any state in between (so the skip is taken every step) must still equal the
     reference engine."""
-    if native.lib(torch.zeros(1)) is None:
-        pytest.skip("needs the C loops")
+    pytest.importorskip("triton")
     ref, w_ref, _ = make(_cfg(scape_impl="reference", density_warmup_steps=0))
-    fus, w_fus, _ = make(_cfg(scape_impl="fused", density_warmup_steps=0))
+    fus, w_fus, _ = make(_cfg(scape_impl="fused", density_warmup_steps=0, use_triton="on"))
     store = fus.engine.residual
     skipped = []
     overwriting = store.overwriting
@@ -234,3 +228,12 @@ def test_a_segment_without_ones_still_gets_its_weight_decay(sharded):
     for impl, (_, p_new, before) in runs.items():     # the decay alone, bit for bit
         assert torch.equal(p_new, before * (1.0 - 1e-2 * 0.1)), impl
     _close(runs["reference"][0], runs["fused"][0])
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_static_shapes_still_equal_the_reference(sharded):
+    """``static_shapes`` (what the NCCL-rule tests and the plan's trace run): the CPU's
+    data-dependent top-k is not taken, the fused path still equals the reference."""
+    _compare(_pair_run(0, sharded=sharded, static_shapes=True))
+    s, _, _ = make(_cfg(static_shapes=True))
+    assert not s.host_reads and make(_cfg())[0].host_reads

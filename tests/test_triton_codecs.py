@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from scape_train.optim.comm import Comm
-from scape_train.optim.scape import kernels, native
+from scape_train.comm import Comm
+from scape_train.optim.scape import kernels, traffic
 from scape_train.optim.scape import mask_coding as MC
+from scape_train.optim.scape import mask_format as MF
 from scape_train.optim.scape.masks import MaskExchange, mask_counts
 from scape_train.optim.scape.partition import ParamLayout, build_partition
 from scape_train.optim.scape.payload import SCALE_BLOCK, PayloadCodec
@@ -32,7 +33,6 @@ from scape_train.optim.scape import triton_codecs as TC  # noqa: E402
 from scape_train.optim.scape import triton_payload as TP  # noqa: E402
 
 CPU = torch.device("cpu")
-C_LIB = native.lib(torch.zeros(1))
 LOWP = ["bf16", "fp8_e4m3", "fp8_e5m2"]
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -44,15 +44,13 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 # -- mask codings ---------------------------------------------------------------------------------
 
 def _check_plan(plan: MC.MaskPlan, own: list[torch.Tensor]) -> None:
-    """Triton encode == torch encode (== C encode); Triton decode == the owners' bits, its indices
-    == nonzero of them (== the C decode's)."""
+    """Triton encode == torch encode; Triton decode == the owners' bits (and the torch
+    decode's), its indices == nonzero of them."""
     world = len(own)
     shards = []
     for r in range(world):
         got = plan.encode(own[r], r, "triton")
         assert torch.equal(got, plan.encode(own[r], r, "torch")), r
-        if C_LIB is not None:
-            assert torch.equal(got, plan.encode(own[r], r, "auto")), r       # the C loop
         shards.append(got)
     gathered = torch.cat(shards) if plan.shard_bytes else None
     mask, idx = plan.decode_with_indices(gathered, CPU, "triton")
@@ -67,15 +65,14 @@ def _check_plan(plan: MC.MaskPlan, own: list[torch.Tensor]) -> None:
     _, _, bits = plan.decode_parts(gathered, CPU, "triton")   # but the mask's packed bits
     packed = kernels.pack_bits(want, backend="torch")
     assert torch.equal(bits[:packed.numel()], packed) and not bits[packed.numel():].any()
-    if C_LIB is not None:
-        c_mask, c_idx = plan.decode_with_indices(gathered, CPU, "auto")
-        assert torch.equal(c_mask, want)
-        assert c_idx is None or torch.equal(c_idx, idx)
+    t_mask, t_idx = plan.decode_with_indices(gathered, CPU, "torch")
+    assert torch.equal(t_mask, want)
+    assert t_idx is None or torch.equal(t_idx, idx)
 
 
 @pytest.mark.parametrize("coding", ["auto", "bitmap", "indices", "elias_fano"])
 @pytest.mark.parametrize("world,partitioner", [(1, "flat"), (2, "tensor"), (3, "flat")])
-def test_mask_codings_match_the_torch_and_c_paths(coding, world, partitioner):
+def test_mask_codings_match_the_torch_path(coding, world, partitioner):
     """Odd tensor sizes, biases and a norm gain (excluded: implicit all-ones segments), uneven
     owner ranges, segments at odd flat and byte offsets."""
     lay = ParamLayout(odd_model(), weight_decay=0.1, exclude_norm_bias=True)
@@ -95,7 +92,7 @@ def _one_segment_plan(numel: int, kind: str, k: int, width: int | None = None):
     lay = ParamLayout(model, weight_decay=0.0, exclude_norm_bias=True)
     part = build_partition(lay, 1, "flat")
     plan = MC.MaskPlan(part, lay, [[13, k]], "auto", lay.total)
-    seg = MC._seg_code(kind, 13, numel, k, 0)
+    seg = MF.seg_code(kind, 13, numel, k, 0)
     if width is not None:
         seg = MC.SegCode(MC.INDICES, 13, numel, k, width, 0, kernels.packed_numel(k * width), 0)
     plan.segs[0][1] = seg
@@ -336,7 +333,7 @@ def test_counted_decode_bytes_follow_the_plan():
     # dispatched ops: the block starts' scan, the index vector, the bits' zero fill (1/8 byte per
     # element, not the byte per element of a bool mask)
     assert ops.bytes_moved - sum(ops.kernel_bytes.values()) < plan.total // 2
-    assert bits.numel() == native.bits_bytes(plan.total) and bits.numel() % 16 == 0
+    assert bits.numel() == traffic.bits_bytes(plan.total) and bits.numel() % 16 == 0
     assert ops.ops["triton::mask_decode_scan"] == 1
 
 

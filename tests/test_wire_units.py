@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from scape_train.optim import build_optimizer
-from scape_train.optim.comm import Comm
+from scape_train.comm import Comm
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.density import segment_k
 from scape_train.optim.scape import mask_coding as MC
+from scape_train.optim.scape import mask_format as MF
 from scape_train.optim.scape.masks import MaskExchange, mask_counts, topk_own_mask
 from scape_train.optim.scape.partition import ParamLayout, build_partition
 from scape_train.optim.scape.payload import SCALE_BLOCK, PayloadCodec, all_reduce_mean
@@ -82,11 +83,11 @@ def test_every_segment_coding_round_trips_every_k(numel):
             full = torch.cat([torch.ones(13, dtype=torch.bool), bits])
             plan = MC.MaskPlan(part, lay, [[13, k]], "auto", lay.total)
             if k < numel:   # force the coding under test on the second segment
-                plan.segs[0][1] = MC._seg_code(kind, 13, numel, k, 0)
+                plan.segs[0][1] = MF.seg_code(kind, 13, numel, k, 0)
                 plan.rank_bytes = [plan.segs[0][1].nbytes]
                 plan.shard_bytes = plan.rank_bytes[0]
                 plan._tables = {}
-                assert plan.shard_bytes == MC.coded_bytes(kind, numel, k)
+                assert plan.shard_bytes == MF.coded_bytes(kind, numel, k)
             shard = plan.encode(full, 0, "torch")
             got = plan.decode(shard if plan.shard_bytes else None, torch.device("cpu"), "torch")
             assert torch.equal(got, full), (kind, numel, k, positions)
@@ -96,11 +97,11 @@ def test_coding_sizes_and_the_auto_choice():
     n = 6_291_456                                        # a Llama-500M projection (1536 x 4096)
     for d, ef_bits in [(0.01, 8.6), (0.1, 5.3)]:
         k = segment_k(n, d)
-        ef = MC.coded_bytes(MC.ELIAS_FANO, n, k)
+        ef = MF.coded_bytes(MC.ELIAS_FANO, n, k)
         assert ef * 8 / k == pytest.approx(ef_bits, abs=0.05)
-        assert ef < MC.coded_bytes(MC.BITMAP, n, k) and ef < MC.coded_bytes(MC.INDICES, n, k)
+        assert ef < MF.coded_bytes(MC.BITMAP, n, k) and ef < MF.coded_bytes(MC.INDICES, n, k)
         assert MC.choose("auto", n, k, excluded=False) == MC.ELIAS_FANO
-    assert MC.index_width(n) == 23
+    assert MF.index_width(n) == 23
     # dense masks: the bitmap wins; a single one in a small segment: plain indices
     assert MC.choose("auto", 1000, 600, excluded=False) == MC.BITMAP
     assert MC.choose("auto", 1 << 20, 1, excluded=False) == MC.INDICES
@@ -135,9 +136,7 @@ def test_field_reader_at_every_bit_offset():
             assert torch.equal(got, vals), (width, pad)
 
 
-def test_exchange_decodes_without_host_sync(monkeypatch):
-    # CUDA's static-size path (the CPU's torch.nonzero reads a size, which stalls nothing there)
-    monkeypatch.setattr("scape_train.optim.scape.kernels.HOST_READS_ON_CPU", False)
+def test_exchange_decodes_without_host_sync():
     lay = ParamLayout(odd_model(), weight_decay=0.1, exclude_norm_bias=True)
     part = build_partition(lay, 1, "flat")
     ex = MaskExchange(part, Comm(), lay.total, "torch", layout=lay, coding="auto")

@@ -27,7 +27,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from scape_train.optim.comm import Comm
+from scape_train.comm import Comm
 
 # (request strings, context ids, continuation ids) as TemplateLM.loglikelihood builds them
 TokRequest = tuple[tuple[str, str], list[int], list[int]]

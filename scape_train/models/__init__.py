@@ -1,6 +1,6 @@
 """The in-tree models (GPT-2 and Llama styles) and their Hugging Face interop."""
 
-from scape_train.models.build import build_model, resolve_config
+from scape_train.models.build import apply_activation_checkpointing, build_model, resolve_config
 from scape_train.models.config import ModelConfig
 from scape_train.models.gpt import GPT
 from scape_train.models.hf import export_hf, load_hf
@@ -12,6 +12,7 @@ __all__ = [
     "CausalLM",
     "Llama",
     "ModelConfig",
+    "apply_activation_checkpointing",
     "build_model",
     "export_hf",
     "load_hf",

@@ -15,7 +15,7 @@ from torch import nn
 
 from .adams import BIAS_CORRECTIONS
 from .base import OptimizerStrategy
-from .comm import Comm
+from scape_train.comm import Comm
 from .config import OptimizerConfig
 from .density import SCHEDULES
 from .scape.mask_coding import MASK_CODINGS

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .adams import AdamS
 from .base import OptimizerStrategy, param_groups_with_decay, set_lr
-from .comm import Comm, Handle
+from scape_train.comm import Comm, Handle
 from .config import OptimizerConfig
 from .state import StateParts
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .comm import Comm, ring_all_reduce_bytes
+from scape_train.comm import Comm, ring_all_reduce_bytes
 from .config import OptimizerConfig
 from .dense import DenseStrategy
 from .state import StateParts

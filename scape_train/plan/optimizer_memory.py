@@ -232,25 +232,31 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
     return mem
 
 
-def fused_density(cfg: Config, n: int, counts_at) -> float | None:
-    """The largest density at which a run of ``cfg`` takes the fused step (``select_path``: its
-    mask holds at most FUSED_MAX_FRACTION of the ``n`` parameters), or None if it never does.
-    Densities fall over a warm-up and rise over a cooldown: the largest is taken."""
+def fused_densities(cfg: Config, n: int, counts_at) -> list[float]:
+    """Every density at which a run of ``cfg`` takes the fused step (``select_path``: its mask
+    holds at most FUSED_MAX_FRACTION of the ``n`` parameters), largest first; none if it never
+    does (a warm-up falls through them, a cooldown rises through them)."""
     from scape_train.optim.scape.fused import FUSED_MAX_FRACTION
     o = cfg.optimizer
     if o.scape_impl != "fused" or o.payload_dtype != "fp32" or o.offload_residuals:
-        return None
+        return []
     schedule = DensitySchedule.of(o, cfg.trainer.max_steps)
-    densities = sorted({schedule.at(t) for t in schedule.changing_steps()}, reverse=True)
-    return next((d for d in densities if counts_at(d) <= FUSED_MAX_FRACTION * n), None)
+    return [d for d in sorted({schedule.at(t) for t in schedule.changing_steps()}, reverse=True)
+            if counts_at(d) <= FUSED_MAX_FRACTION * n]
 
 
 def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: OptimizerMemory,
                 n: int) -> None:
     """Where the run takes the fused step: its state and step traced from the code
-    (:mod:`.scape_step`). The fused engine's index vectors and decode tables are state from its
+    (:mod:`.scape_step`), at the largest fused density and at the largest whose mask coding has
+    per-one segments (indices or Elias-Fano: their decode tables and temporaries are index-sized,
+    a bitmap's are not). The fused engine's index vectors and decode tables are state from its
     first fused step on; the plan adds them to every step (an over-estimate of the warm-up's
-    reference steps, which run before they exist)."""
+    reference steps, which run before they exist). Where the density changes between fused steps
+    (a warm-up, a cooldown), each step builds its mask plan's tables anew: the step's figure
+    includes them too."""
+    from scape_train.optim.scape.mask_coding import BITMAP, MaskPlan
+    from scape_train.optim.scape.masks import mask_counts
     from scape_train.optim.scape.partition import ParamLayout, build_partition
     from scape_train.plan.scape_step import trace_fused_step
 
@@ -262,18 +268,28 @@ def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: Op
         return sum(seg.numel if lay.excluded[seg.tensor] else segment_k(seg.numel, d)
                    for segs in part.segments for seg in segs)
 
-    d = fused_density(cfg, n, ones)
-    if d is None:
-        return
+    def per_one(d: float) -> bool:
+        if o.mask_coding == "bitmap":
+            return False
+        kinds = MaskPlan(part, lay, mask_counts(part, lay, d), o.mask_coding, n).kinds()
+        return any(kind not in ("all", BITMAP) for kind in kinds)
+
+    densities = fused_densities(cfg, n, ones)
+    traced = densities[:1] + [d for d in densities[1:] if per_one(d)][:1]
     # the model's vocabulary as the plan builds it (estimate.planned_vocab)
     vocab = cfg.model.vocab_size or cfg.data.tokenizer.vocab_size
-    fused = trace_fused_step(cfg, cfg.model, vocab, world, d, on_gpu)
-    extra = fused.held - sum(b for _, b in mem.state)
-    if extra > 0:
-        mem.state.append(("SCAPE fused step: mask indices, index plans, decode tables", extra))
-    if d == DensitySchedule.of(o, cfg.trainer.max_steps).at(1) \
-            or fused.step > mem.step:
-        mem.step, mem.step_where = fused.step, f"fused step at density {d:.3g}: {fused.where}"
+    first = DensitySchedule.of(o, cfg.trainer.max_steps).at(1)
+    state = sum(b for _, b in mem.state)
+    held = 0
+    for d in traced:
+        fused = trace_fused_step(cfg, cfg.model, vocab, world, d, on_gpu)
+        held = max(held, fused.held)
+        step = fused.step + (max(0, fused.held - state) if len(densities) > 1 else 0)
+        if d == first or step > mem.step:
+            mem.step, mem.step_where = step, f"fused step at density {d:.3g}: {fused.where}"
+    if held > state:
+        mem.state.append(("SCAPE fused step: mask indices, index plans, decode tables",
+                          held - state))
 
 
 def _assemble_mask(r: Replay, part, in_flight: int) -> None:

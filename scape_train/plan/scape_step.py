@@ -16,8 +16,8 @@ reference step). The traced step runs the torch kernel path (``use_triton=off``)
 device; on a GPU its figure is rounded to the CUDA allocator's blocks.
 
 Fake tensors also hold the code to its no-host-sync rule: a value read on the host in the step
-(``.item()``, ``.tolist()``, a data-dependent shape) fails the trace. It runs the static-size
-path (``kernels.HOST_READS_ON_CPU`` off); the CPU's data-dependent path allocates less (its
+(``.item()``, ``.tolist()``, a data-dependent shape) fails the trace. It runs the static-shape
+path (``optimizer.static_shapes``); the CPU's data-dependent path allocates less (its
 top-k keeps ~1.25k candidates instead of sorting a segment), so the figure bounds it.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scape_train.optim.comm import Comm, Handle
+from scape_train.comm import Comm, Handle
 from scape_train.plan.tracker import CUDA_BLOCK, LiveBytes
 
 CPU_TOPK_WORKSPACE = 16        # bytes per input element of CPU topk's sort
@@ -93,17 +93,12 @@ def trace_fused_step(cfg, model_cfg, vocab_size: int, world: int, density: float
     """The fused step of ``cfg`` (an app config) at a constant ``density``, traced on the rank
     owning the largest range of ``world``."""
     from scape_train.models.build import resolve_config
-    from scape_train.optim.scape import kernels
 
+    # the static-shape path a GPU runs: fake tensors have no values to read back
     o = dataclasses.replace(cfg.optimizer, density=density, density_warmup_steps=0,
-                            scape_impl="fused", use_triton="off")
-    # the static-size path a GPU runs: fake tensors have no values to read back
-    resolved = resolve_config(model_cfg, vocab_size)
-    host_reads, kernels.HOST_READS_ON_CPU = kernels.HOST_READS_ON_CPU, False
-    try:
-        return _trace(o, resolved, world, density, on_gpu)
-    finally:
-        kernels.HOST_READS_ON_CPU = host_reads
+                            density_start_step=0, density_cooldown_steps=0,
+                            scape_impl="fused", use_triton="off", static_shapes=True)
+    return _trace(o, resolve_config(model_cfg, vocab_size), world, density, on_gpu)
 
 
 def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> FusedStepMemory:

@@ -1,7 +1,7 @@
 """Trace one training micro-batch (forward, loss, backward) on fake tensors and measure its memory.
 
 The model is the trainer's own (``build_model``, activation checkpointing applied by the trainer's
-``apply_activation_checkpointing``), built under ``FakeTensorMode``: every tensor has its real shape,
+``models.apply_activation_checkpointing``), built under ``FakeTensorMode``: every tensor has its real shape,
 dtype and storage size but no data, so a Llama-500M micro-batch of 16 x 4096 tokens costs about a
 second of CPU. The loss is the trainer's: ``model(tokens, targets=targets) / accum`` (the model
 masks its padded vocab and upcasts to fp32, ``CausalLM._loss``) under the trainer's autocast. With
@@ -65,7 +65,7 @@ def _trace(model_fields: tuple, vocab_size: int, micro_batch: int, seq_len: int,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from scape_train.models.build import ARCHS, resolve_config
-    from scape_train.train import apply_activation_checkpointing
+    from scape_train.models.build import apply_activation_checkpointing
 
     model_cfg = ModelConfig(*model_fields)
     tracker = LiveBytes(round_to=CUDA_BLOCK if on_gpu else 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..base import OptimizerStrategy
-from ..comm import Comm
+from scape_train.comm import Comm
 from ..config import OptimizerConfig
 from .config import StrategyConfig
 from .diloco import DiLoCo

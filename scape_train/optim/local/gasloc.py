@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
+from scape_train.comm import Comm
 from .outer import OuterAlgorithm, extrapolate, outer_point
 from .topology import mixing_matrix, peers
 

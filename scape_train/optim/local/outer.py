@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm
+from scape_train.comm import Comm
 
 
 def outer_point(anchor: torch.Tensor, delta: torch.Tensor, eta: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..base import OptimizerStrategy, set_lr
-from ..comm import Comm
+from scape_train.comm import Comm
 from ..config import OptimizerConfig
 from ..dense import build_local_optimizer, grad_norm_and_clip, load_named_state_dict, named_state_dict
 from ..state import StateParts

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm import (all_to_all_bytes, ring_all_gather_bytes, ring_all_reduce_bytes,
+from scape_train.comm import (all_to_all_bytes, ring_all_gather_bytes, ring_all_reduce_bytes,
                     ring_reduce_scatter_bytes)
 from .mask_coding import MaskPlan
 from .masks import mask_counts

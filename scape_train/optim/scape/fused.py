@@ -13,8 +13,7 @@ What makes it O(k) instead of O(numel):
   - AdamS runs on the k gathered values; off the mask the parameters only get weight decay.
     The torch ops apply it as one ``torch._foreach_mul_`` over the decayed tensors and index-copy
     the new values at the mask positions into each parameter's flat view (one op per segment,
-    on k-sized slices); the C loops decay θ in the same walk that updates the mask positions
-    (one pass over θ, not two), the Triton kernels in one coalesced launch before it. The old
+    on k-sized slices); the Triton kernels decay in one coalesced launch before AdamS. The old
     momentum at the mask is stored by the ĝ pass, which reads it anyway, so AdamS reads it
     contiguously instead of gathering it again.
 
@@ -25,14 +24,11 @@ source of difference is that a vectorized ``add(alpha=)``/``addcmul`` may use an
 of a tensor and a separate multiply-add in its scalar tail, and the k-sized gathered tensors put
 different coordinates in the tail than the full-size ones (≤ 1 ulp per op).
 
-Three implementations of these passes, chosen per step through one seam (:mod:`.passes`): on the
-CPU (where ``kernels.host_reads_ok`` holds) C loops (:mod:`.native`, ``native/scape_cpu.c``: one
-loop per phase over the mask's indices, the square sums for the residual-norm metric taken on the
-way, so it costs no pass of its own); on CUDA the same functions as Triton kernels
-(:mod:`.triton_passes`, sums returned on the device); elsewhere -- ``SCAPE_NATIVE=0``, no C
-compiler, ``use_triton=off`` on CUDA, a recording test step -- the torch ops written out below,
-which are also what both libraries are tested against (tests/test_scape_native.py,
-tests/test_triton_passes.py).
+Two implementations of these passes, chosen through one seam (:mod:`.passes`): Triton kernels
+on CUDA (:mod:`.triton_passes`, one kernel per phase over the mask's indices, the square sums
+for the residual-norm metric taken on the way and returned on the device); elsewhere -- the
+CPU, ``use_triton=off``, a recording test step -- the torch ops written out below, which are
+also what the kernels are tested against (tests/test_triton_passes.py).
 
 Falls back to the reference methods (same object, same state) for what it does not cover:
 low-precision payloads (their quantization error lands on the mask positions, so ``e_{t-1} = 0``
@@ -46,7 +42,7 @@ import struct
 
 import torch
 
-from . import native, passes
+from . import passes, traffic
 from .masks import Mask
 from .replicated import ReplicatedScape, clip_coef
 from .sharded import ShardedScape
@@ -65,16 +61,9 @@ def _overlapped(handle, work) -> None:
     handle.wait()
 
 
-def _as_tensor(x) -> torch.Tensor:
-    """A sum a pass returned: a C double, or a 0-d float64 tensor from a library on the device."""
-    return x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64)
-
-
-def _root(sq, cut=0.0) -> torch.Tensor:
-    """``sqrt(max(sq - cut, 0))`` as a float64 tensor, on the host (C sums) or the device."""
-    if isinstance(sq, torch.Tensor):
-        return (sq - cut).clamp_min(0.0).sqrt()
-    return torch.tensor(math.sqrt(max(sq - cut, 0.0)), dtype=torch.float64)
+def _root(sq: torch.Tensor, cut=0.0) -> torch.Tensor:
+    """``sqrt(max(sq - cut, 0))``: a norm from a pass's sum of squares, on the device."""
+    return (sq - cut).clamp_min(0.0).sqrt()
 
 
 def _float_bits(x: float) -> int:
@@ -92,7 +81,7 @@ def _gathered_at(a: int, starts: list[int], counts: list[int], width: int) -> in
 class _MaskIndex:
     """A mask's sorted flat indices, cut by the plan's segments ``(tensor, a, b)``; the
     per-tensor indices (flat minus the tensor's offset) are computed when a torch op needs
-    them -- the C loops take the flat ones and the offsets. ``spans``: each segment's elements
+    them -- the kernels take the flat ones and the offsets. ``spans``: each segment's elements
     ``(s0, s1)`` in its tensor; ``empty``: ``(tensor, s0, s1)`` of the segments without ones
     (a mask measured from a checkpoint of another world size can leave one so)."""
 
@@ -125,7 +114,7 @@ class _FusedMixin:
             if wd != 0.0:
                 by_wd.setdefault(wd, []).append(i)
         self._decay_groups = list(by_wd.items())
-        self._numels = torch.tensor(lay.numels, dtype=torch.int64)   # for the C prepare
+        self._numels = torch.tensor(lay.numels, dtype=torch.int64)   # for the kernels' prepare
         self._total_numel = torch.tensor([lay.total], dtype=torch.int64)
 
     def select_path(self, k: int) -> bool:
@@ -176,11 +165,10 @@ class _FusedMixin:
     def _index(self, idx: torch.Tensor, counts: list[list[int]]) -> _MaskIndex:
         return _MaskIndex(self._plan(counts), idx)
 
-    # -- the passes library (passes.py: the C loops or the Triton kernels), one pass per phase --
+    # -- the passes library (passes.py: the Triton kernels), one pass per phase --
     def _passes(self, grads=None):
-        """The C loops (CPU) or Triton kernels (CUDA) for this step, or ``None`` (``SCAPE_NATIVE=0``
-        or ``use_triton=off`` where those are the choice, a recording test step, a gradient that
-        is not contiguous fp32: the torch ops below run)."""
+        """The Triton kernels (CUDA) for this step, or ``None`` (the CPU, ``use_triton=off``, a
+        recording test step, a gradient that is not contiguous fp32: the torch ops below run)."""
         if self.record:
             return None
         if grads is not None and not all(g.dtype == torch.float32 and g.is_contiguous()
@@ -195,8 +183,8 @@ class _FusedMixin:
         offs, base = self.layout.offsets, grads[0].data_ptr()
         size = grads[0].element_size()
         if all(g.data_ptr() == base + size * offs[i] for i, g in enumerate(grads)):
-            return 1, native.table([[base, 0]], 2), self._total_numel
-        gtab = native.table([[g.data_ptr(), offs[i]] for i, g in enumerate(grads)], 2)
+            return 1, traffic.table([[base, 0]], 2), self._total_numel
+        gtab = traffic.table([[g.data_ptr(), offs[i]] for i, g in enumerate(grads)], 2)
         return len(grads), gtab, self._numels
 
     def _param_table(self, mi: _MaskIndex, lo: int, hi: int, lr: float, src=None
@@ -210,7 +198,7 @@ class _FusedMixin:
                                                                    else [src(a)])
                 + [s0, s1, _float_bits(1.0 - lr * lay.weight_decay[t])]
                 for (t, a, b), (s0, s1) in zip(mi.segs, mi.spans) if a >= lo and b <= hi]
-        return native.table(rows, 7 if src is None else 8)
+        return traffic.table(rows, 7 if src is None else 8)
 
     def _decay_empty(self, mi: _MaskIndex, lr: float) -> None:
         """The weight decay of the segments no parameter table lists (no ones in the mask)."""
@@ -223,7 +211,7 @@ class _FusedMixin:
                       mc: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
                       ttab: torch.Tensor, out: torch.Tensor | None, coef, lr: float,
                       step: int) -> None:
-        """:meth:`_decay`, :meth:`_adams_k` and :meth:`_set_momentum` in C over the index
+        """:meth:`_decay`, :meth:`_adams_k` and :meth:`_set_momentum` in kernels over the index
         list's ``[j0, j0 + k)`` (``mc``: the old momentum there, from the ĝ pass): θ updated in
         place, the table's segments decayed off the mask in the same walk (or the new θ into
         ``out``); m zeroed on ``old_support`` (indices into ``m``; ``None``: everywhere) and set
@@ -234,13 +222,10 @@ class _FusedMixin:
         bias = {"adam": 1, "official": 2}.get(cfg.bias_correction, 0)
         step_size = lr / bc1 if bias else lr
         kz = -1 if old_support is None else old_support.numel()
-        if coef is None:
-            coef_arg = 1.0
-        else:       # a device tensor for a library on the device: no host read
-            coef_arg = coef if lib.on_device else float(coef)
-        lib.scape_adams(native.ptr(idx), j0, k, base, native.ptr(ghat), native.ptr(m),
-                        m.numel(), native.ptr(old_support), kz, native.ptr(ttab),
-                        ttab.shape[0], native.ptr(out), native.ptr(mc),
+        coef_arg = 1.0 if coef is None else coef     # a device tensor: no host read
+        lib.scape_adams(traffic.ptr(idx), j0, k, base, traffic.ptr(ghat), traffic.ptr(m),
+                        m.numel(), traffic.ptr(old_support), kz, traffic.ptr(ttab),
+                        ttab.shape[0], traffic.ptr(out), traffic.ptr(mc),
                         coef_arg, int(coef is not None), beta1,
                         beta2, 1.0 - beta1, 1.0 - beta2, bc1, math.sqrt(bc2), cfg.eps,
                         -step_size, bias)
@@ -358,8 +343,8 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         super().__init__(*args, **kwargs)
         self._init_fused()
         self._zero_pending = False
-        self._c_sq: float | None = None     # Σ c² from the C prepare
-        self._cut = None                    # Σ_M c² from the C / Triton payload gather
+        self._c_sq: torch.Tensor | None = None   # Σ c² from the kernels' prepare
+        self._cut = None                    # Σ_M c² from the kernels' payload gather
         self._payload = None                # (M_t's indices, c there, m there): the prepare's
 
     def prepare(self, g, mask: Mask | None) -> torch.Tensor:
@@ -383,25 +368,25 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             payload, mc = (torch.empty(idx.numel(), dtype=torch.float32, device=e.device)
                            for _ in range(2))
             self._c_sq = lib.scape_prepare_gather(
-                self.layout.total, g[0].data_ptr(), native.ptr(e), native.ptr(self.m),
-                native.ptr(self._pidx), self._pidx.numel(), native.ptr(idx), idx.numel(),
-                native.ptr(payload), native.ptr(mc), beta1, 1.0 - beta1)   # Σ c² off M_t
+                self.layout.total, g[0].data_ptr(), traffic.ptr(e), traffic.ptr(self.m),
+                traffic.ptr(self._pidx), self._pidx.numel(), traffic.ptr(idx), idx.numel(),
+                traffic.ptr(payload), traffic.ptr(mc), beta1, 1.0 - beta1)   # Σ c² off M_t
             self._cut, self._payload = 0.0, (idx, payload, mc)
-        elif self._pidx is None and lib is not None:   # the general line below, in C
+        elif self._pidx is None and lib is not None:   # the general line below, in kernels
             self._c_sq = lib.scape_prepare_replicated_general(
-                rows, native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
+                rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(e), traffic.ptr(self.m),
                 beta1, 1.0 - beta1)
         elif self._pidx is None:        # m may be nonzero anywhere (first step, after a load)
             w = torch._foreach_mul(self._views(self.m), beta1)
             torch._foreach_add_(w, g, alpha=1.0 - beta1)
             torch._foreach_add_(self._views(e), w)
-        elif lib is not None:           # the two lines below, in C
+        elif lib is not None:           # the two lines below, in kernels
             segs = self._prev_local.segs
-            ptab = native.table([[g[t].data_ptr(), self.layout.offsets[t], a, b]
+            ptab = traffic.table([[g[t].data_ptr(), self.layout.offsets[t], a, b]
                                  for t, a, b in segs], 4)
             self._c_sq = lib.scape_prepare_replicated(
-                rows, native.ptr(gtab), native.ptr(numels), native.ptr(e), native.ptr(self.m),
-                native.ptr(self._pidx), self._pidx.numel(), native.ptr(ptab), ptab.shape[0],
+                rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(e), traffic.ptr(self.m),
+                traffic.ptr(self._pidx), self._pidx.numel(), traffic.ptr(ptab), ptab.shape[0],
                 beta1, 1.0 - beta1)   # Σ c², for the metric
         else:                           # m and e_{t-1}: nonzero on disjoint sets
             pidx = self._pidx
@@ -454,7 +439,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
 
     def _update_passes(self, lib, idx: torch.Tensor, k: int, counts: list[list[int]],
                        lr: float, step: int, during_payload) -> dict[str, float]:
-        """:meth:`update` with its O(k) passes in C (or Triton): the payload (gathered by the
+        """:meth:`update` with its O(k) passes in Triton: the payload (gathered by the
         prepare's walk when it could), ĝ and its norm, AdamS at the mask positions with the
         weight decay in its walk of θ, the momentum; the all-reduce as on the torch path."""
         cfg, c, m = self.cfg, self._c, self.m
@@ -467,13 +452,13 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         else:
             payload, mc = (torch.empty(k, dtype=torch.float32, device=c.device)
                            for _ in range(2))
-            self._cut = lib.scape_gather(k, native.ptr(idx), 0, native.ptr(c),
-                                         native.ptr(payload))    # and Σ_M c², for the metric
+            self._cut = lib.scape_gather(k, traffic.ptr(idx), 0, traffic.ptr(c),
+                                         traffic.ptr(payload))    # and Σ_M c², for the metric
             m_at, old_support = m, self._pidx                # ĝ's pass gathers m into mc
         _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
                     during_payload)
-        sq = lib.scape_ghat(k, native.ptr(idx), 0, native.ptr(payload), None,
-                            native.ptr(m_at), native.ptr(mc), cfg.betas[0],
+        sq = lib.scape_ghat(k, traffic.ptr(idx), 0, traffic.ptr(payload), None,
+                            traffic.ptr(m_at), traffic.ptr(mc), cfg.betas[0],
                             1.0 - cfg.betas[0])                  # payload becomes ĝ
         norm = _root(sq).float()
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
@@ -517,9 +502,8 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         super().__init__(*args, **kwargs)
         self._init_fused()
         self._pidx_own: torch.Tensor | None = None
-        self._x_sq: float | None = None     # Σ x² from the C prepare
+        self._x_sq: torch.Tensor | None = None   # Σ x² from the kernels' prepare
         self._taken = None                  # the payload's rows etc., taken by the prepare
-        self._cand_pool = native.BufferPool(1)  # c^(o), read by the top-k, then free
 
     def prepare(self, g, mask: Mask | None) -> torch.Tensor:
         """``ε ← x = (1-β1)·g + ε`` (``g``: per-tensor gradients, consumed), ``ρ ← base``;
@@ -533,17 +517,16 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         if lib is not None:            # ε ← x, ρ ← base and c^(o) = base + x^(o), in one pass
             rows, gtab, numels = self._grad_table(g)
             p = self._pidx_own
-            (cand,) = self._cand_pool.get(((self.hi - self.lo,), torch.float32),
-                                          device=eps_.device)
+            cand = torch.empty(self.hi - self.lo, dtype=torch.float32, device=eps_.device)
             idx = self._given(mask)
             if rows == 1 and idx is not None:
                 self._taken = self._prepare_take(lib, g[0], eps_, cand, idx, self.given_counts)
                 self._x = eps_
                 return cand
             self._x_sq = lib.scape_prepare_sharded(
-                rows, native.ptr(gtab), native.ptr(numels), native.ptr(eps_),
-                native.ptr(self.rho), native.ptr(self.m), native.ptr(p), p.numel(), self.lo,
-                self.hi, native.ptr(cand), beta1, 1.0 - beta1)
+                rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(eps_),
+                traffic.ptr(self.rho), traffic.ptr(self.m), traffic.ptr(p), p.numel(), self.lo,
+                self.hi, traffic.ptr(cand), beta1, 1.0 - beta1)
             self._x = eps_
             return cand
         self._add_scaled_grads(eps_, g)                      # ε ← x
@@ -557,7 +540,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
 
     def _prepare_take(self, lib, g: torch.Tensor, x: torch.Tensor, cand: torch.Tensor,
                       idx: torch.Tensor, seg_counts: list[list[int]]) -> tuple:
-        """The C prepare's walk (one flat gradient) that also takes M_t's payload into the
+        """The kernels' prepare walk (one flat gradient) that also takes M_t's payload into the
         reduce-scatter's rows (ε = (1-M)⊙x), gathers the owner's m and ρ at its entries (ρ then
         zeroed) and zeroes m on its old support: ``(idx, rows, m there, ρ there, Σ ε²)``."""
         comm, beta1 = self.comm, self.cfg.betas[0]
@@ -565,17 +548,17 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         width = max(1, max(counts))
         starts = [sum(counts[:r]) for r in range(comm.world)]
         send = torch.zeros(comm.world, width, dtype=torch.float32, device=x.device)
-        rows = native.table([[starts[r], r * width - starts[r]] for r in range(comm.world)], 2)
+        rows = traffic.table([[starts[r], r * width - starts[r]] for r in range(comm.world)], 2)
         a = starts[comm.rank]
         b = a + counts[comm.rank]
         mc, rho_at = (torch.empty(b - a, dtype=torch.float32, device=x.device) for _ in range(2))
         p = self._pidx_own
-        sq = lib.scape_prepare_take(self.layout.total, g.data_ptr(), native.ptr(x),
-                                    native.ptr(self.rho), native.ptr(self.m), native.ptr(p),
-                                    p.numel(), self.lo, self.hi, native.ptr(cand),
-                                    native.ptr(idx), idx.numel(), native.ptr(rows),
-                                    comm.world, native.ptr(send), a, b, native.ptr(mc),
-                                    native.ptr(rho_at), beta1, 1.0 - beta1)
+        sq = lib.scape_prepare_take(self.layout.total, g.data_ptr(), traffic.ptr(x),
+                                    traffic.ptr(self.rho), traffic.ptr(self.m), traffic.ptr(p),
+                                    p.numel(), self.lo, self.hi, traffic.ptr(cand),
+                                    traffic.ptr(idx), idx.numel(), traffic.ptr(rows),
+                                    comm.world, traffic.ptr(send), a, b, traffic.ptr(mc),
+                                    traffic.ptr(rho_at), beta1, 1.0 - beta1)
         return idx, send, mc, rho_at, sq
 
     def update(self, mask: Mask, lr: float, step: int, seg_counts: list[list[int]],
@@ -654,7 +637,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
     def _update_passes(self, lib, idx: torch.Tensor, seg_counts: list[list[int]],
                        counts: list[int], starts: list[int], width: int, lr: float, step: int,
                        during_payload) -> dict[str, float]:
-        """:meth:`update` with its O(k) passes in C or Triton (the payload gathered straight
+        """:meth:`update` with its O(k) passes in Triton (the payload gathered straight
         into the reduce-scatter's rows, by the prepare's walk when it could; ĝ and ρ's fold,
         AdamS into the shard, the parameters from the gathered shards with the weight decay in
         the same walk of θ, the momentum); the collectives as in torch."""
@@ -674,22 +657,22 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             cut = 0.0
             for r, k in enumerate(counts):   # the payload rows, and ε = (1-M)⊙x in one pass
                 if k:
-                    cut = cut + lib.scape_take(k, native.ptr(idx[starts[r]:starts[r] + k]),
-                                               native.ptr(x), native.ptr(send[r]))
+                    cut = cut + lib.scape_take(k, traffic.ptr(idx[starts[r]:starts[r] + k]),
+                                               traffic.ptr(x), traffic.ptr(send[r]))
             mc = torch.empty(k_own, dtype=torch.float32, device=x.device)  # old m at the mask
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
         _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True,
                                         async_op=True), during_payload)
         del send
         if rho_at is None:      # recv = ĝ; ρ = (1-M)⊙base; m gathered into mc
-            sq = lib.scape_ghat(k_own, native.ptr(own), lo, native.ptr(recv),
-                                native.ptr(self.rho), native.ptr(m), native.ptr(mc),
+            sq = lib.scape_ghat(k_own, traffic.ptr(own), lo, traffic.ptr(recv),
+                                traffic.ptr(self.rho), traffic.ptr(m), traffic.ptr(mc),
                                 cfg.betas[0], 1.0 - cfg.betas[0])
         else:                   # b̄ + ρ (the ĝ pass's first add), then ĝ from mc
             recv[:k_own].add_(rho_at)
-            sq = lib.scape_ghat(k_own, None, 0, native.ptr(recv), None, None, native.ptr(mc),
+            sq = lib.scape_ghat(k_own, None, 0, traffic.ptr(recv), None, None, traffic.ptr(mc),
                                 cfg.betas[0], 1.0 - cfg.betas[0])
-        sq_t = _as_tensor(sq).float().reshape(1)
+        sq_t = sq.float().reshape(1)
         comm.all_reduce(sq_t, kind="norm", average=False)
         norm = sq_t.sqrt()[0]
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
@@ -714,8 +697,8 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         # θ from the gathered shards at the mask, θ·(1 - lr·wd) elsewhere: one walk of θ
         stab = self._param_table(mi, 0, idx.numel(), lr,
                                  lambda a: _gathered_at(a, starts, counts, width))
-        lib.scape_scatter_params(native.ptr(idx), native.ptr(stab), stab.shape[0],
-                                 native.ptr(gathered))
+        lib.scape_scatter_params(traffic.ptr(idx), traffic.ptr(stab), stab.shape[0],
+                                 traffic.ptr(gathered))
         self._decay_empty(mi, lr)
         self._pidx, self._pidx_own = idx, own - lo
         self._prev_local = mi

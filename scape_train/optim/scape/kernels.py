@@ -6,9 +6,8 @@ zero bits. The payload of a masked tensor is its values at the mask positions, i
 order.
 
 Every function takes ``backend``: ``"auto"`` (default), ``"torch"`` or ``"triton"``. ``auto`` uses
-the Triton kernels for CUDA tensors when triton imports, and the pure-torch path otherwise; the
-environment variable ``SCAPE_KERNEL_BACKEND`` overrides ``auto`` (set it to ``torch`` to rule
-Triton out while debugging). ``triton`` on CPU tensors works only under ``TRITON_INTERPRET=1``
+the Triton kernels for CUDA tensors when triton imports, and the pure-torch path otherwise
+(``optimizer.use_triton=off`` rules Triton out). ``triton`` on CPU tensors works only under ``TRITON_INTERPRET=1``
 (that is how the kernels are tested without a GPU). Both paths give bit-identical results: gather
 and scatter copy raw element bits, they never do arithmetic on the values.
 
@@ -26,29 +25,14 @@ import torch
 from .checks import check_payload_count
 
 BACKENDS = ("auto", "torch", "triton")
-_ENV_VAR = "SCAPE_KERNEL_BACKEND"
 
 # Little-endian bit weights inside a byte: element j of a group of 8 is bit j.
 _SHIFTS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
-# On the CPU a value read on the host, or an op whose output size depends on the data, stalls
-# nothing (there is no device queue to drain), and the CPU kernels of the data-dependent ops are
-# the faster ones: torch.nonzero is ~3x nonzero_static, a counted threshold beats topk's full
-# sort. CUDA code takes the static-size path (NCCL's rules). False: the static path on the CPU
-# too -- what the NCCL-rule tests and the memory plan's fake-tensor trace run.
-HOST_READS_ON_CPU = True
-
-
-def host_reads_ok(t: torch.Tensor) -> bool:
-    """Whether code on ``t``'s device may read values or sizes back (the CPU, see above)."""
-    return HOST_READS_ON_CPU and t.device.type == "cpu"
-
-
 def nonzero_sorted(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """The flat indices of the ``count`` ones of the 1-D bool ``mask``, increasing."""
-    if host_reads_ok(mask):
-        return torch.nonzero(mask).view(-1)
+    """The flat indices of the ``count`` ones of the 1-D bool ``mask``, increasing (the count
+    known in advance: a fixed-size output, no host read on a device)."""
     return torch.nonzero_static(mask, size=count).view(-1)
 
 
@@ -78,11 +62,6 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     """Pick ``"torch"`` or ``"triton"`` for these tensors (see module docstring)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        env = os.environ.get(_ENV_VAR, "auto").strip().lower() or "auto"
-        if env not in BACKENDS:
-            raise ValueError(f"${_ENV_VAR} must be one of {BACKENDS}, got {env!r}")
-        backend = env
     if backend == "auto":
         on_cuda = all(t.is_cuda for t in tensors)
         return "triton" if on_cuda and triton_available() else "torch"

@@ -1,25 +1,6 @@
 """How the next mask travels: a coding per owner segment, of a size every rank knows in advance.
 
-``optimizer.mask_coding``:
-
-``bitmap``      today's format: the owner's whole range packed 1 bit per element (spec §4),
-                every shard padded to the largest range: ``ceil(numel/8)`` bytes, excluded
-                tensors included.
-``indices``     per segment, the ``k`` sorted segment-local indices of the ones, each in
-                ``w = bit_length(numel - 1)`` bits, bit-packed: ``ceil(k·w/8)`` bytes.
-``elias_fano``  per segment, the same sorted indices in Elias-Fano form: each index ``i`` is split
-                into ``L`` low bits (written as fixed-width fields, ``k·L`` bits) and a high part
-                ``h = i >> L``, written as one set bit at position ``h_j + j`` of an upper bit
-                vector of ``U = k + ((numel - 1) >> L) + 1`` bits. Its size is fixed by
-                ``(numel, k, L)``; ``L`` is chosen to minimise it (``≈ log2(numel/k)``), for
-                about ``2 + log2(numel/k)`` bits per one: 8.6 bits at 1% density, 5.3 at 10%,
-                against 100 and 10 bits per one for the bitmap.
-``auto``        per segment, the smallest of the three (default; all are lossless, so the masks,
-                and everything computed from them, are bit-identical across codings).
-
-In every coding but ``bitmap``, a segment whose mask is known to be all ones (an excluded tensor:
-biases, norm gains; or ``k = numel``) is not sent at all. Streams are byte-aligned per segment;
-bits are little-endian inside a byte and inside a field (as :func:`pack_bits`).
+The codings (``optimizer.mask_coding``) and their sizes are :mod:`.mask_format`'s.
 
 Sizes depend only on ``(numel, k)`` per segment, and ``k`` per segment follows from the density
 schedule (:func:`mask_counts`): every rank builds the same :class:`MaskPlan` on the host without
@@ -35,91 +16,12 @@ whatever the number of segments); encoding runs per owned segment, beside the to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from . import native
 from .kernels import nonzero_sorted, pack_bits, packed_numel, resolve_backend, unpack_bits
+from .mask_format import (ALL, BITMAP, ELIAS_FANO, INDICES, MASK_CODINGS, SegCode, choose,
+                          seg_code)
 from .partition import ParamLayout, PartitionMap
-
-MASK_CODINGS = ("auto", "bitmap", "indices", "elias_fano")
-ALL, BITMAP, INDICES, ELIAS_FANO = "all", "bitmap", "indices", "elias_fano"
-_NATIVE_KIND = {ALL: 0, BITMAP: 1, INDICES: 2, ELIAS_FANO: 3}     # native/scape_cpu.c's codes
-_MAX_FIELD_BITS = 33        # a field read spans at most 5 bytes (33 bits + a 7-bit offset)
-
-
-def index_width(numel: int) -> int:
-    """Bits of one segment-local index into ``numel`` elements."""
-    return max(1, (numel - 1).bit_length())
-
-
-def ef_sizes(numel: int, k: int, low_bits: int) -> tuple[int, int]:
-    """(low-stream bytes, upper-stream bytes) of Elias-Fano with ``low_bits`` low bits."""
-    upper = k + ((numel - 1) >> low_bits) + 1
-    return packed_numel(k * low_bits), packed_numel(upper)
-
-
-def ef_low_bits(numel: int, k: int) -> int:
-    """The number of low bits that makes the Elias-Fano coding of ``k`` of ``numel`` smallest."""
-    return min(range(index_width(numel) + 1), key=lambda b: (sum(ef_sizes(numel, k, b)), b))
-
-
-def coded_bytes(kind: str, numel: int, k: int) -> int:
-    """Bytes of one segment's mask in coding ``kind`` (``all`` = not sent)."""
-    if kind == ALL:
-        return 0
-    if kind == BITMAP:
-        return packed_numel(numel)
-    if kind == INDICES:
-        return packed_numel(k * index_width(numel))
-    if kind == ELIAS_FANO:
-        return sum(ef_sizes(numel, k, ef_low_bits(numel, k)))
-    raise ValueError(f"unknown segment coding {kind!r}")
-
-
-@dataclass(frozen=True)
-class SegCode:
-    """One owner segment's coding and where its bytes sit in the owner's shard."""
-
-    kind: str
-    flat_start: int
-    numel: int
-    k: int
-    width: int        # bits per field: the index (indices) or its low part (elias_fano)
-    off: int          # byte offset of the first stream in the owner's shard
-    low_bytes: int    # the field stream (indices, elias_fano)
-    high_bytes: int   # the bitmap (bitmap) or the upper bit vector (elias_fano)
-
-    @property
-    def nbytes(self) -> int:
-        return self.low_bytes + self.high_bytes
-
-
-def choose(coding: str, numel: int, k: int, excluded: bool) -> str:
-    """The segment coding for ``mask_coding=coding`` (not ``bitmap``: that is whole-range)."""
-    if excluded or k >= numel:
-        return ALL
-    if coding == "auto":
-        # ties: the cheapest to decode first
-        return min((BITMAP, ELIAS_FANO, INDICES), key=lambda c: coded_bytes(c, numel, k))
-    return coding
-
-
-def _seg_code(kind: str, flat_start: int, numel: int, k: int, off: int) -> SegCode:
-    if kind == ALL:
-        return SegCode(kind, flat_start, numel, k, 0, off, 0, 0)
-    if kind == BITMAP:
-        return SegCode(kind, flat_start, numel, k, 0, off, 0, packed_numel(numel))
-    if kind == INDICES:
-        w = index_width(numel)
-        if w > _MAX_FIELD_BITS:
-            raise ValueError(f"mask coding 'indices': a segment of {numel} elements needs {w}-bit "
-                             f"indices, more than {_MAX_FIELD_BITS}")
-        return SegCode(kind, flat_start, numel, k, w, off, packed_numel(k * w), 0)
-    low = ef_low_bits(numel, k)
-    lo_b, hi_b = ef_sizes(numel, k, low)
-    return SegCode(kind, flat_start, numel, k, low, off, lo_b, hi_b)
 
 
 def _triton_codecs():
@@ -231,7 +133,7 @@ class MaskPlan:
         self.segs: list[list[SegCode]] = []
         self._ef: dict = {}
         if self.legacy:
-            # today's format: the whole range packed, shards padded to the largest (at least 1)
+            # the spec §4 format: the whole range packed, shards padded to the largest (at least 1)
             self.rank_bytes = [packed_numel(n) for n in self.lengths]
             self.shard_bytes = max(1, max(self.rank_bytes))
             return
@@ -241,7 +143,7 @@ class MaskPlan:
             off, codes = 0, []
             for seg, k in zip(segs, ks):
                 kind = choose(coding, seg.numel, k, layout.excluded[seg.tensor])
-                codes.append(_seg_code(kind, seg.flat_start, seg.numel, k, off))
+                codes.append(seg_code(kind, seg.flat_start, seg.numel, k, off))
                 off += codes[-1].nbytes
             self.segs.append(codes)
         self.rank_bytes = [sum(s.nbytes for s in codes) for codes in self.segs]
@@ -249,13 +151,11 @@ class MaskPlan:
         self._tables: dict = {}
         self._ef: dict = {}          # per device: the Elias-Fano decode tables (_ef_tables)
         self._triton: dict = {}      # the Triton path's task tables (triton_codecs)
-        self._pool = native.BufferPool(2)   # the C decode's (indices, bits) pairs
 
     def drop_decode_tables(self) -> None:
         """Free the per-one decode tables and buffers (a plan no longer in use)."""
         self._ef = {}
         self._triton = {}
-        self._pool = native.BufferPool(2)
 
     def kinds(self) -> dict[str, int]:
         """How many segments use each coding (for reports)."""
@@ -277,18 +177,6 @@ class MaskPlan:
         if resolve_backend(backend, own_bits) == "triton":
             return _triton_codecs().encode_mask(self.segs[rank], lo, self.shard_bytes, own_bits,
                                                 self._triton)
-        lib = native.lib(own_bits)
-        if lib is not None and own_bits.is_contiguous():
-            rows = [[_NATIVE_KIND[s.kind], s.flat_start - lo, s.numel, s.k, s.width, s.off,
-                     s.low_bytes, s.high_bytes] for s in self.segs[rank]]
-            tab = native.table(rows, 8)
-            bad = lib.scape_mask_encode(len(rows), native.ptr(tab), native.ptr(own_bits),
-                                        native.ptr(shard), shard.numel())
-            if bad:
-                s = self.segs[rank][-1 - bad]
-                raise RuntimeError(f"mask encode: the segment at flat {s.flat_start} does not "
-                                   f"hold the {s.k} ones its plan says")
-            return shard
         for s in self.segs[rank]:
             if s.kind == ALL:
                 continue
@@ -317,11 +205,11 @@ class MaskPlan:
     def decode_parts(self, gathered: torch.Tensor | None, device: torch.device,
                      backend: str = "auto"
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(mask, indices, bits)``: what the decode makes of every owner's shard. The C and
-        Triton decodes (every coding but ``bitmap``, unless the whole plan is all ones): the
-        sorted flat indices of the ones and the mask packed 1 bit per element (``pack_bits``'s
-        layout, padded to whole 16-byte words), no bool mask. Elsewhere the bool mask, and from
-        the torch path the indices too when every segment is Elias-Fano coded or all ones."""
+        """``(mask, indices, bits)``: what the decode makes of every owner's shard. The Triton
+        decode (every coding but ``bitmap``, unless the whole plan is all ones): the sorted flat
+        indices of the ones and the mask packed 1 bit per element (``pack_bits``'s layout,
+        padded to whole 16-byte words), no bool mask. The torch decode: the bool mask, or the
+        indices alone when every segment is Elias-Fano coded or all ones."""
         if self.legacy:
             return self._decode_bitmap(gathered, backend), None, None
         probe = gathered if gathered is not None else torch.empty(0, device=device)
@@ -332,9 +220,6 @@ class MaskPlan:
         tables = self._device_tables(device)
         if tables["all_ones"]:
             return torch.ones(self.total, dtype=torch.bool, device=device), None, None
-        lib = native.lib(probe)
-        if lib is not None and (gathered is None or gathered.is_contiguous()):
-            return (None, *self._decode_native(lib, gathered, device))
         return (*self._decode_torch(tables, gathered, device, backend), None)
 
     def decode_with_indices(self, gathered: torch.Tensor | None, device: torch.device,
@@ -369,8 +254,8 @@ class MaskPlan:
 
     def _decode_torch(self, tables: dict, gathered: torch.Tensor | None, device: torch.device,
                       backend: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The decode in torch ops (no C compiler, a device without Triton, the plan's fake
-        tensor trace): the indices alone when every segment is Elias-Fano coded or all ones,
+        """The decode in torch ops (the CPU, a device without Triton, the plan's fake tensor
+        trace): the indices alone when every segment is Elias-Fano coded or all ones,
         else the bool mask."""
         ef_grp = tables[ELIAS_FANO]
         ef = (_ef_tables(self, ef_grp, device) if ef_grp is not None and ef_grp.ones
@@ -421,34 +306,6 @@ class MaskPlan:
         if found and mask is not None:
             mask.index_fill_(0, found[0] if len(found) == 1 else torch.cat(found), True)
         return mask, indices
-
-    def _decode_native(self, lib, gathered: torch.Tensor | None, device: torch.device
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The C decode (native/scape_cpu.c): one loop over the segments writes the sorted
-        indices of the ones (every coding) and the packed bits; no per-one int64 temporaries."""
-        if "native" not in self._tables:
-            rows = []
-            for r, codes in enumerate(self.segs):
-                for s in codes:
-                    base = r * self.shard_bytes + s.off
-                    rows.append([_NATIVE_KIND[s.kind], s.flat_start, s.numel, s.k, s.width,
-                                 base, base + s.low_bytes, s.high_bytes])
-            self._tables["native"] = (native.table(rows, 8),
-                                      sum(s.numel if s.kind == ALL else s.k
-                                          for codes in self.segs for s in codes))
-        tab, ones = self._tables["native"]
-        # the pair of two steps ago is free again: no fresh blocks (page faults) per step
-        idx, bits = self._pool.get(((ones,), torch.int64),
-                                   ((native.bits_bytes(self.total),), torch.uint8))
-        n = 0 if gathered is None else gathered.numel()
-        got = lib.scape_mask_decode(tab.shape[0], native.ptr(tab), native.ptr(gathered), n,
-                                    native.ptr(bits), self.total, native.ptr(idx), ones)
-        if got != ones:
-            where = ("" if got >= 0 else
-                     f" (segment at flat {int(tab[-1 - got, 1])})")
-            raise RuntimeError(f"mask decode: the gathered bytes do not match the plan{where}; "
-                               f"{got} ones decoded, {ones} expected")
-        return idx, bits
 
     def _device_tables(self, device: torch.device) -> dict:
         key = str(device)

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm, Handle
+from scape_train.comm import Comm, Handle
 from ..density import segment_k
-from . import native, passes
-from .kernels import host_reads_ok, nonzero_sorted
+from . import passes, traffic
+from .kernels import nonzero_sorted
 from .mask_coding import MaskPlan
 from .partition import ParamLayout, PartitionMap
 
 
-# CPU top-k by threshold selection (top_k_indices, where kernels.host_reads_ok): a device's
-# torch.topk is a radix select with no host read; the CPU's sorts (value, index) pairs of its
-# whole input, the largest CPU item of a SCAPE step.
+# CPU top-k by threshold selection (top_k_indices with host reads): a device's torch.topk is a
+# radix select with no host read; the CPU's sorts (value, index) pairs of its whole input, the
+# largest CPU item of a SCAPE step.
 _SAMPLE_ONES = 256      # expected ones of the mask in the threshold's sample
 _OVERSHOOT = 1.25       # the threshold keeps ~1.25k candidates: below k only ~4 sigma away
 _samples: dict[tuple[int, int], torch.Tensor] = {}
@@ -30,11 +30,11 @@ _samples: dict[tuple[int, int], torch.Tensor] = {}
 
 def _sample(a: torch.Tensor, k: int) -> torch.Tensor | None:
     """The threshold's sample of positions for a top-k of ``k`` of ``a`` (fixed per shape: the
-    selection is a function of ``a`` only), or ``None`` where the threshold does not pay: on a
-    device (no host reads), or for a dense pick."""
+    selection is a function of ``a`` only), or ``None`` for a dense pick, where the threshold
+    does not pay."""
     n = a.numel()
     size = min(n, _SAMPLE_ONES * n // max(k, 1))
-    if not host_reads_ok(a) or 8 * k > n or size >= n // 2:
+    if 8 * k > n or size >= n // 2:
         return None
     key = (n, size)
     if key not in _samples:
@@ -45,31 +45,16 @@ def _sample(a: torch.Tensor, k: int) -> torch.Tensor | None:
     return _samples[key]
 
 
-def _top_k_bits_native(lib, stat: torch.Tensor, k: int, bits: torch.Tensor) -> bool:
-    """The C top-k (native/scape_cpu.c: the same sampled threshold, then one pass to collect
-    the candidates' |c|, a radix selection, one pass writing the bits): ``bits`` set to exactly the
-    k largest ``|stat|`` (no abs copy, no index vectors); False where it does not apply."""
-    sample = _sample(stat, k)
-    if sample is None or not stat.is_contiguous():
-        return False
-    rank = int(_SAMPLE_ONES * _OVERSHOOT)
-    cap = max(2 * k, sample.numel()) + 64
-    work = torch.empty(cap, dtype=torch.float32)
-    return lib.scape_topk_bits(native.ptr(stat), stat.numel(), k, native.ptr(sample),
-                               sample.numel(), rank - 1, native.ptr(bits), native.ptr(work),
-                               cap) == 0
-
-
-def top_k_indices(a: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_indices(a: torch.Tensor, k: int, host_reads: bool = False) -> torch.Tensor:
     """Indices (in no order) of the ``k`` largest entries of the non-negative ``a``: exactly
     ``torch.topk(a, k).indices`` as a set (the same values; ties broken either way).
 
-    On the CPU: a threshold from a fixed pseudo-random sample (its ``_OVERSHOOT·k``-th largest,
+    ``host_reads`` (the CPU, where a read stalls no device queue): a threshold from a fixed pseudo-random sample (its ``_OVERSHOOT·k``-th largest,
     scaled), every entry at or above it (~1.25k candidates, counted: a host read, which on the CPU
     stalls nothing), and torch.topk over the candidates only; if the sample's threshold left fewer
     than k, torch.topk over all. A few linear passes instead of a sort of the whole segment."""
-    sample_idx = _sample(a, k)
-    if sample_idx is None:         # a dense pick (or a device): topk's sort
+    sample_idx = _sample(a, k) if host_reads else None
+    if sample_idx is None:         # a device, or a dense pick: topk's radix select / sort
         return torch.topk(a, k, sorted=False).indices
     sample = a.index_select(0, sample_idx)
     threshold = torch.topk(sample, int(_SAMPLE_ONES * _OVERSHOOT), sorted=False).values.min()
@@ -82,19 +67,20 @@ def top_k_indices(a: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def topk_own_mask(stat_own: torch.Tensor, part: PartitionMap, rank: int, layout: ParamLayout,
-                  density: float) -> torch.Tensor:
-    """The owner's bits over its range ``[lo, hi)``: top-k of ``|stat|`` per segment."""
+                  density: float, host_reads: bool = False) -> torch.Tensor:
+    """The owner's bits over its range ``[lo, hi)``: top-k of ``|stat|`` per segment
+    (``host_reads``: :func:`top_k_indices`'s)."""
     lo, hi = part.ranges[rank]
     bits = torch.zeros(hi - lo, dtype=torch.bool, device=stat_own.device)
-    lib = native.lib(stat_own) if stat_own.dtype == torch.float32 else None
     for seg in part.segments[rank]:
         a = seg.flat_start - lo
         piece = bits[a:a + seg.numel]
         k = segment_k(seg.numel, density)
         if layout.excluded[seg.tensor] or k >= seg.numel:
             piece.fill_(True)
-        elif lib is None or not _top_k_bits_native(lib, stat_own[a:a + seg.numel], k, piece):
-            piece.index_fill_(0, top_k_indices(stat_own[a:a + seg.numel].abs(), k), True)
+        else:
+            piece.index_fill_(0, top_k_indices(stat_own[a:a + seg.numel].abs(), k, host_reads),
+                              True)
     return bits
 
 
@@ -139,6 +125,7 @@ class Mask:
             raise ValueError("a Mask's packed bits come with its indices")
         self.total = total
         self._dense, self.indices, self.bits, self._made = dense, indices, bits, False
+        self._indexed = False
 
     @classmethod
     def of(cls, dense: "torch.Tensor | Mask | None") -> "Mask | None":
@@ -160,10 +147,13 @@ class Mask:
         return out
 
     def settle(self) -> None:
-        """Keep one form between steps: the indices when no bool tensor was made from them
-        (the fused step, whose engine holds them anyway as m's support) or when they are the
-        smaller (8 bytes per one against 1 per element: a mask under 1/8 dense); else the bool
-        tensor (a reference step at a warm-up's high density)."""
+        """Keep one form between steps: the indices when the fused step walked them (its engine
+        holds them anyway as m's support), when no bool tensor was made from them, or when they
+        are the smaller (8 bytes per one against 1 per element: a mask under 1/8 dense); else
+        the bool tensor (a reference step at a warm-up's high density)."""
+        if self._indexed:     # indices made from the bool tensor: the fused engine holds them
+            self._dense, self._indexed = None, False
+            return
         if not self._made:
             return
         assert self.indices is not None and self._dense is not None
@@ -179,16 +169,15 @@ class Mask:
         the next step's previous mask)."""
         if self.indices is None or self.indices.numel() != count:
             self.indices, self.bits = nonzero_sorted(self.dense(), count), None
+            self._indexed = True
         return self.indices
 
 
-def overlap(cur: Mask, prev: Mask, backend: str = "auto",
-            scratch: native.BufferPool | None = None) -> torch.Tensor:
+def overlap(cur: Mask, prev: Mask, backend: str = "auto") -> torch.Tensor:
     """Ones of ``cur`` that ``prev`` has too (the masks' temporal stability metric), as a
     tensor, from the index lists when both have them: ``cur``'s looked up in ``prev``'s packed
-    bits -- the decode's, else marked in a scratch bitmap (from ``scratch`` on the CPU) -- O(k)
-    passes in the C loops or the Triton kernels; a bool map made for the count in torch ops.
-    Else one full-size AND of the bool tensors."""
+    bits -- the decode's, else marked in a scratch bitmap -- O(k) passes in the Triton kernels;
+    a bool map made for the count in torch ops. Else one full-size AND of the bool tensors."""
     a, b = cur.indices, prev.indices
     if a is None or b is None:
         return torch.count_nonzero(cur.dense(keep=False) & prev.dense(keep=False))
@@ -199,14 +188,12 @@ def overlap(cur: Mask, prev: Mask, backend: str = "auto",
         if prev.bits is not None:       # marked by the decode: the lookups only
             bits, marked = prev.bits, None
         else:
-            pool = scratch if scratch is not None else native.BufferPool(0)
-            (bits,) = pool.get(((native.bits_bytes(cur.total),), torch.uint8), device=a.device)
+            bits = torch.empty(traffic.bits_bytes(cur.total), dtype=torch.uint8, device=a.device)
             marked = b
-        n = lib.scape_count_common(native.ptr(a), a.numel(), native.ptr(marked), b.numel(),
-                                   native.ptr(bits), bits.numel())
-        return n if lib.on_device else torch.tensor(n)
-    # torch ops: a transient bool map (bits ORed into bytes by index_put with accumulate took
-    # 253 ms against this map's 53 ms on the CPU: 50M elements, 5M ones, one thread)
+        return lib.scape_count_common(traffic.ptr(a), a.numel(), traffic.ptr(marked), b.numel(),
+                                      traffic.ptr(bits), bits.numel())
+    # torch ops: a transient bool map (an index_put of bits with accumulate, ORing into bytes,
+    # is several times slower on the CPU)
     seen = torch.zeros(cur.total, dtype=torch.bool, device=a.device).index_fill_(0, b, True)
     return torch.count_nonzero(seen.index_select(0, a))
 

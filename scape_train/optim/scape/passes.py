@@ -1,37 +1,30 @@
 """The one seam of the fused step's passes: which library runs them, chosen by device.
 
-- **Triton** (:mod:`.triton_passes`) where :func:`kernels.resolve_backend` picks Triton: CUDA
-  tensors with triton importable (``optimizer.use_triton: auto``), or ``use_triton: on``, which on
-  CPU tensors needs ``TRITON_INTERPRET=1`` (how the kernels are tested without a GPU);
-- **C loops** (:mod:`.native`) on the CPU otherwise;
-- ``None``: the fused engine runs its torch ops (``SCAPE_NATIVE=0`` or no C compiler on the CPU;
-  ``SCAPE_KERNEL_BACKEND=torch`` or ``use_triton: off`` on CUDA), also the reference both
-  libraries are tested against.
-
-Both libraries have the same functions and arguments (``native/scape_cpu.c``'s); a library with
-``on_device`` returns its sums as device tensors and takes the clipping coefficient as one, so
-the step never reads a value back to the host there. Both are counted by ``DeviceOpCounter``
-through ``native._TRAFFIC``.
+:mod:`.triton_passes` where :func:`kernels.resolve_backend` picks Triton (CUDA tensors with
+triton importable, ``optimizer.use_triton: auto``; or ``use_triton: on``, which on CPU tensors
+needs ``TRITON_INTERPRET=1``, how the kernels are tested without a GPU); ``None`` otherwise: the
+fused engine runs its torch ops, also the reference the kernels are tested against. The library
+returns its sums as device tensors and takes the clipping coefficient as one, so the step never
+reads a value back to the host; its calls are counted (:class:`.traffic.Counted`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import native
 from .kernels import resolve_backend
+from .traffic import Counted
 
-_triton_libs: dict[str, object] = {}
+_triton_libs: dict[str, Counted] = {}
 
 
-def lib(backend: str, *tensors: torch.Tensor):
+def lib(backend: str, *tensors: torch.Tensor) -> Counted | None:
     """The passes library for ``tensors`` under ``backend`` (``auto``/``torch``/``triton``)."""
-    if tensors and resolve_backend(backend, *tensors) == "triton":
-        device = tensors[0].device
-        key = str(device)
-        if key not in _triton_libs:
-            from .triton_passes import TritonPasses   # imports triton: only when chosen
+    if not tensors or resolve_backend(backend, *tensors) != "triton":
+        return None
+    key = str(tensors[0].device)
+    if key not in _triton_libs:
+        from .triton_passes import TritonPasses   # imports triton: only when chosen
 
-            _triton_libs[key] = native.counted(TritonPasses(device))
-        return _triton_libs[key]
-    return native.lib(*tensors)
+        _triton_libs[key] = Counted(TritonPasses(tensors[0].device))
+    return _triton_libs[key]

@@ -1,4 +1,4 @@
-"""SCAPE's payload on the wire: fp32 (today's), or low precision with error feedback.
+"""SCAPE's payload on the wire: fp32 (the default), or low precision with error feedback.
 
 ``optimizer.payload_dtype``: ``fp32`` | ``bf16`` | ``fp8_e4m3`` | ``fp8_e5m2``.
 
@@ -40,17 +40,11 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
+from scape_train.comm import Comm
 from .kernels import resolve_backend
-
-PAYLOAD_DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2")
-SCALE_BLOCK = 128      # fp8: one power-of-two scale per this many consecutive values
-
-_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
-                "fp8_e5m2": torch.float8_e5m2}
-_EXP_HEADROOM = {"fp8_e4m3": 8, "fp8_e5m2": 15}   # scaled |value| < 2^E <= the type's max
-_E_MIN, _E_MAX = -110, 120
-
+from .payload_format import (E_MAX as _E_MAX, E_MIN as _E_MIN,
+                             EXP_HEADROOM as _EXP_HEADROOM, PAYLOAD_DTYPES, SCALE_BLOCK,
+                             TORCH_DTYPE as _TORCH_DTYPE)
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
     """``2^e`` as exact fp32, built from the exponent bits (``e`` int32 in [-126, 127])."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..adams import adams_update_
-from ..comm import Comm
+from scape_train.comm import Comm
 from ..config import OptimizerConfig
 from .kernels import gather_masked, scatter_masked
 from .masks import Mask

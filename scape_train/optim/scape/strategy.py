@@ -19,12 +19,11 @@ import torch
 from torch import nn
 
 from ..base import OptimizerStrategy
-from ..comm import Comm
+from scape_train.comm import Comm
 from ..config import OptimizerConfig
 from ..density import DensitySchedule
 from ..grad_buffer import FlatGradBuffer
 from ..state import FlatShard, ShardSource, StateParts
-from . import native
 from .kernels import pack_bits, resolve_backend, unpack_bits
 from .masks import (Mask, MaskExchange, PendingMask, mask_counts, measured_counts, overlap,
                     topk_own_mask)
@@ -61,6 +60,9 @@ class ScapeStrategy(OptimizerStrategy):
         self.backend = _KERNEL_BACKEND[cfg.use_triton]
         # Fail now, not at the first step, when Triton is forced where it cannot run.
         resolve_backend(self.backend, torch.empty(0, device=self.layout.device))
+        # the CPU may read sizes and values back (no device queue to stall) unless the GPU's
+        # static-shape ops are asked for (optimizer.static_shapes)
+        self.host_reads = self.layout.device.type == "cpu" and not cfg.static_shapes
         self.part = build_partition(self.layout, self.comm.world, cfg.partitioner)
         self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.backend,
                                      layout=self.layout, coding=cfg.mask_coding)
@@ -74,7 +76,6 @@ class ScapeStrategy(OptimizerStrategy):
         self.steps_done = 0
         self._cur: Mask | None = None    # the last step's M_t (its indices, where decoded)
         self._pending: PendingMask | None = None
-        self._overlap_bits = native.BufferPool(1)   # the overlap metric's scratch bitmap
         # ones per segment of a mask at density d, by d: sizes known on the host, not read back
         self._counts: dict[float, list[list[int]]] = {}
         self._loaded_counts: list[list[int]] | None = None   # a mask from another partition
@@ -139,6 +140,11 @@ class ScapeStrategy(OptimizerStrategy):
         nxt = self._next()
         return None if nxt is None else nxt.dense(keep=False)
 
+    def set_masks(self, cur: torch.Tensor | None, nxt: torch.Tensor | None) -> None:
+        """M_t of the last step and M_{t+1}, as bool tensors (a checkpoint's masks)."""
+        self.mask_cur = cur
+        self._pending = None if nxt is None else PendingMask.ready(nxt, self.exchange)
+
     def _next(self) -> Mask | None:
         """M_{t+1}, gathered and decoded (waits for the all-gather if it is still in flight)."""
         return None if self._pending is None else self._pending.mask()
@@ -173,10 +179,10 @@ class ScapeStrategy(OptimizerStrategy):
             # the update: every owner holds m_t on its segments
             metrics = self.engine.update(mask, lr, t, counts)
             own_bits = topk_own_mask(self._own_momentum(), self.part, self.comm.rank,
-                                     self.layout, d_next)
+                                     self.layout, d_next, self.host_reads)
         else:
             next_topk = _RunOnce(lambda: topk_own_mask(stat, self.part, self.comm.rank,
-                                                       self.layout, d_next))
+                                                       self.layout, d_next, self.host_reads))
             metrics = self.engine.update(mask, lr, t, counts, during_payload=next_topk)
             own_bits = next_topk()
         self._pending = self.exchange.start(own_bits, d_next, async_op=True)
@@ -185,8 +191,7 @@ class ScapeStrategy(OptimizerStrategy):
         metrics["scape/density"] = ones / self.layout.total
         metrics["scape/target_density"] = self.density(t)
         if prev is not None:  # temporal stability: ones of M_t that were already in M_{t-1}
-            metrics["scape/mask_overlap"] = overlap(mask, prev, self.backend,
-                                                    self._overlap_bits) / max(ones, 1.0)
+            metrics["scape/mask_overlap"] = overlap(mask, prev, self.backend) / max(ones, 1.0)
         mask.settle()         # one form of M_t between steps: its indices, or its bool tensor
         return metrics
 
@@ -200,7 +205,8 @@ class ScapeStrategy(OptimizerStrategy):
         if density >= 1.0:
             return Mask.of(torch.ones(self.layout.total, dtype=torch.bool,
                                       device=self.layout.device))
-        bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, density)
+        bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, density,
+                             self.host_reads)
         return self.exchange.start(bits, density, async_op=False).mask()
 
     def close(self) -> None:
@@ -354,9 +360,8 @@ class ScapeStrategy(OptimizerStrategy):
         self.engine.load_range_state(momentum, shared, residual)
         self._load_wire_state(state, shards, lo, hi)
         self.steps_done = int(state["step"])
-        self.mask_cur = self._join_mask(state.get("mask_cur"))
         nxt = self._join_mask(state.get("mask_next"))
-        self._pending = None if nxt is None else PendingMask.ready(nxt, self.exchange)
+        self.set_masks(self._join_mask(state.get("mask_cur")), nxt)
         # A mask built under another partition (world size, partitioner) has other per-segment
         # counts than the schedule gives here: read them once, now, not in the step.
         same = state["world"] == self.comm.world and state.get("partitioner",

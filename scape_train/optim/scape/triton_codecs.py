@@ -4,7 +4,7 @@ The CUDA path; tests run it under ``TRITON_INTERPRET=1``.
 
 ``MaskPlan`` imports this module lazily (it imports triton), only when
 ``kernels.resolve_backend`` picks ``"triton"``. Its format, bit for bit, is this module's
-contract: every byte, mask bit and index equals the torch path's and the C path's. (The
+contract: every byte, mask bit and index equals the torch path's. (The
 whole-range ``mask_coding=bitmap`` format is ``kernels.pack_bits``, Triton there already.)
 
 No host reads (NCCL's rule). Every size -- grid, output, table -- comes from the host-known plan
@@ -13,7 +13,7 @@ depends on the data, so the step never waits for the device and the mask's all-g
 overlapping. The one dependency across the data -- which one (``j``) of its segment a set bit
 is -- is a two-pass block scan: a popcount per block, an exclusive ``torch.cumsum`` over the
 blocks, then ``tl.cumsum`` inside the block. A plan whose counts do not match the bits cannot
-be caught without a read-back (the C path's check): writes are masked to stay inside their
+be caught without a read-back: writes are masked to stay inside their
 segment, so such bytes come out wrong, never memory outside them.
 
 Tasks. A kernel runs one program per *task*, a row of a host-built int64 table (cached per plan,
@@ -28,8 +28,7 @@ every owner whatever their sizes, and no block spans two segments.
   indices: ``all`` and ``indices`` segments per one (the field ``j`` is the ``j``-th one),
   bitmaps and Elias-Fano upper vectors through the scan (``p = ((pos - j) << L) | low_j``).
   Segments lie in flat order (owner by owner), so the ``j``-th one of a segment goes to slot
-  ``at + j``, ``at`` from the plan: the indices come out sorted, as the C decode's, for every
-  coding.
+  ``at + j``, ``at`` from the plan: the indices come out sorted for every coding.
 
 Bytes per launch are reported to ``profiling.DeviceOpCounter`` (:mod:`.counted_launch`).
 """
@@ -40,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import native
+from . import traffic
 from .counted_launch import launch
-from .mask_coding import _NATIVE_KIND as _KIND          # the C decode's codes, reused
-from .mask_coding import ALL, BITMAP, ELIAS_FANO, INDICES, SegCode
+from .mask_format import ALL, BITMAP, ELIAS_FANO, INDICES, SegCode
+from .mask_format import KIND_CODES as _KIND
 
 BLOCK = 4096            # stream positions per program (4096 bits = 512 packed bytes)
 PACK_BYTES = 1024       # bitmap bytes packed per program (8192 elements)
@@ -339,7 +338,7 @@ def decode_mask(segs: list[list[SegCode]], shard_bytes: int, total: int,
                 gathered: torch.Tensor | None, device: torch.device, cache: dict
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, bits)``: the flat indices of the ones from every owner's shard, increasing,
-    and the mask packed 1 bit per element (``native.bits_bytes(total)`` uint8), as
+    and the mask packed 1 bit per element (``traffic.bits_bytes(total)`` uint8), as
     ``MaskPlan.decode_parts`` (for every coding)."""
     key = ("decode", str(device))
     if key not in cache:
@@ -348,7 +347,7 @@ def decode_mask(segs: list[list[SegCode]], shard_bytes: int, total: int,
     buf = gathered.contiguous() if gathered is not None and gathered.numel() else \
         torch.zeros(1, dtype=torch.uint8, device=device)       # a valid pointer, never read
     idx = torch.empty(t["ones"], dtype=torch.int64, device=device)
-    words = torch.zeros(native.bits_bytes(total) // 4, dtype=torch.int32, device=device)
+    words = torch.zeros(traffic.bits_bytes(total) // 4, dtype=torch.int32, device=device)
     scan, direct, nbytes = t["scan"], t["direct"], t["bytes"]
     if scan.shape[0]:
         starts = _block_starts(buf, scan, True, "mask_decode_count", nbytes["mask_decode_count"])

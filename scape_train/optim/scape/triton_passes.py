@@ -1,31 +1,26 @@
-"""The fused SCAPE step's passes as Triton kernels: the CUDA twin of ``native/scape_cpu.c``.
+"""The fused SCAPE step's passes as Triton kernels (CUDA), called through :func:`.passes.lib`.
 
-Same functions, same arguments, same equations as the C loops (:mod:`.native`), so the fused
-engine (:mod:`.fused`) calls either through one seam (:func:`.passes.lib`) and
-``native._TRAFFIC`` counts both: raw data pointers (``int``, ``None`` for NULL), per-tensor and
-per-segment tables as host int64 tables (``native.table``), fp32 scalars. What differs:
+Arguments: raw data pointers (``int``, ``None`` for NULL), per-tensor and per-segment tables as
+host int64 tables (``traffic.table``), fp32 scalars; :data:`.traffic.TRAFFIC` counts each call.
 
-- **Nothing is read back to the host.** The C loops return their sums (Σ c², Σ ĝ², ...) as
-  doubles; these return them as 0-d float64 tensors on the device (per-program partial sums
-  added by one ``sum``), and ``scape_adams`` takes the clipping coefficient as a device tensor
-  (``coef``), not a float. Grid sizes come from host-known counts (the density schedule's k).
+- **Nothing is read back to the host.** Sums (Σ c², Σ ĝ², ...) come back as 0-d float64 tensors
+  on the device (per-program partial sums added by one ``sum``), and ``scape_adams`` takes the
+  clipping coefficient as a device tensor (``coef``). Grid sizes come from host-known counts
+  (the density schedule's k).
 - **Tables travel to the device** once per content: the per-tensor gradient table (pointers
   change when autograd allocates new gradients), the parameter tables (stable for a mask plan).
   Each is cached by its bytes, with the launch's block table beside it.
-- **No thread count**: the C loops take torch's, added by :mod:`.native`'s wrapper; these take
-  none.
-- **Rounding as the C loops and torch**: ``enable_fp_fusion=False`` (no FMA contraction, as
-  ``-ffp-contract=off``), ``div_rn``/``sqrt_rn`` (correctly rounded, where Triton's ``/`` and
-  ``sqrt`` are approximate on the GPU), sums of squares in float64 (the order differs from the
-  C loops', so they agree to rounding, not bit for bit).
+- **Rounding as torch's**: ``enable_fp_fusion=False`` (no FMA contraction), ``div_rn``/
+  ``sqrt_rn`` (correctly rounded, where Triton's ``/`` and ``sqrt`` are approximate on the GPU),
+  sums of squares in float64 (in another order than torch's, so they agree to rounding).
 
-Work per pass, as in the C loops: the prepare is the one full-size pass (read g, e (and m on a
-general step), write e), every other pass touches the k mask positions only. Full-size passes
-run over all tensors in one launch through a block table ``(tensor, start, numel)``; k-sized
-passes over segments through ``(segment, first index-list entry)`` blocks, so a block never
-straddles two parameters.
+Work per pass: the prepare is the one full-size pass (read g, e (and m on a general step),
+write e), every other pass touches the k mask positions only. Full-size passes run over all
+tensors in one launch through a block table ``(tensor, start, numel)``; k-sized passes over
+segments through ``(segment, first index-list entry)`` blocks, so a block never straddles two
+parameters.
 
-Tested against the C loops and the torch path under ``TRITON_INTERPRET=1``
+Tested against the fused engine's torch ops under ``TRITON_INTERPRET=1``
 (tests/test_triton_passes.py), which runs these kernels on CPU tensors.
 """
 
@@ -37,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import native
+from . import traffic
 from .counted_launch import run
-from .native import ONE_BITS
+from .traffic import ONE_BITS
 
 FULL_BLOCK = 4096      # elements per program of a full-size pass
 K_BLOCK = 1024         # index-list entries per program of a k-sized pass
@@ -298,7 +293,7 @@ def _scatter_params_kernel(blocks, stab, idx_addr, values_addr, BLOCK: tl.conste
 
 @triton.jit
 def _mark_bits_kernel(idx_addr, k, words_addr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """Set bit ``i`` of the packed bitmap (int32 words, little-endian: the C loops' bytes) for
+    """Set bit ``i`` of the packed bitmap (int32 words, little-endian: ``pack_bits``'s bytes) for
     every entry ``i`` of the index list (atomic: entries of one word lie in several programs'
     blocks)."""
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -331,7 +326,7 @@ def _aligned(*addresses: int) -> bool:
 
 
 def _host_rows(addr: int, rows: int, width: int) -> tuple[int, ...]:
-    """A host int64 table's contents (``native.table``), row-major."""
+    """A host int64 table's contents (``traffic.table``), row-major."""
     return tuple((ctypes.c_int64 * (rows * width)).from_address(addr)) if rows else ()
 
 
@@ -394,7 +389,7 @@ class TritonPasses:
     def _parts(self, n: int, dtype=torch.float64) -> torch.Tensor:
         return torch.zeros(max(n, 1), dtype=dtype, device=self.device)
 
-    # -- the passes (native/scape_cpu.c's signatures) --------------------------------------
+    # -- the passes --------------------------------------
     def _prepare(self, ntensor, gtab, numels, e, m, s, lo=0, hi=0, rho=None, cand=None,
                  beta1=0.0, general=False) -> torch.Tensor:
         """One launch of the full-size prepare: the flat kernel when the gradient is one flat
@@ -449,12 +444,12 @@ class TritonPasses:
 
     def scape_prepare_gather(self, total, g, e, m, pidx, kp, idx, k, payload, mc, beta1, s):
         """The prepare with m's support known, the payload and m gathered at M_t, m zeroed on
-        its old support: launches in a row here (the C loop walks once); returns Σ c² off
+        its old support, as launches in a row; returns Σ c² off
         M_t."""
-        gtab, numels = native.table([[g, 0]], 2), torch.tensor([total], dtype=torch.int64)
-        ptab = native.table([[g, 0, 0, kp]], 4)
-        sq = self.scape_prepare_replicated(1, native.ptr(gtab), native.ptr(numels), e, m, pidx,
-                                           kp, native.ptr(ptab), 1 if kp else 0, beta1, s)
+        gtab, numels = traffic.table([[g, 0]], 2), torch.tensor([total], dtype=torch.int64)
+        ptab = traffic.table([[g, 0, 0, kp]], 4)
+        sq = self.scape_prepare_replicated(1, traffic.ptr(gtab), traffic.ptr(numels), e, m, pidx,
+                                           kp, traffic.ptr(ptab), 1 if kp else 0, beta1, s)
         sq = sq - self.scape_gather(k, idx, 0, e, payload)
         self._gather(k, idx, 0, m, mc, False)
         if kp:
@@ -464,10 +459,9 @@ class TritonPasses:
     def scape_prepare_take(self, total, g, x, rho, m, pidx, kp, lo, hi, cand, idx, k, rows,
                            nrows, send, own_a, own_b, mc, rho_at, beta1, s):
         """The sharded prepare, the owner's m and ρ gathered at its entries (ρ then zeroed), m
-        zeroed on its old support, the payload's rows taken: launches in a row here (the C
-        loop walks once); returns Σ ε² of the new ε."""
-        gtab, numels = native.table([[g, 0]], 2), torch.tensor([total], dtype=torch.int64)
-        sq = self.scape_prepare_sharded(1, native.ptr(gtab), native.ptr(numels), x, rho, m,
+        zeroed on its old support, the payload's rows taken, as launches in a row; returns Σ ε² of the new ε."""
+        gtab, numels = traffic.table([[g, 0]], 2), torch.tensor([total], dtype=torch.int64)
+        sq = self.scape_prepare_sharded(1, traffic.ptr(gtab), traffic.ptr(numels), x, rho, m,
                                         pidx, kp, lo, hi, cand, beta1, s)
         n_own = own_b - own_a
         if n_own:
@@ -524,9 +518,8 @@ class TritonPasses:
 
     def _decay(self, tab, nseg, width, col) -> None:
         """θ·dec over the segment rows' ``[s0, s1)`` (columns ``col``, ``col + 1``; dec's bits
-        in the next), where dec is not 1: one full-size launch (the C loops fold this into
-        their walk over the mask positions; here a coalesced pass costs less than a gap loop
-        per lane)."""
+        in the next), where dec is not 1: one full-size launch (a coalesced pass costs less than
+        a gap loop per lane)."""
         rows = _host_rows(tab, nseg, width)
         sel = [rows[q:q + width] for q in range(0, len(rows), width)
                if rows[q + col + 2] != ONE_BITS and rows[q + col + 1] > rows[q + col]]
@@ -573,7 +566,7 @@ class TritonPasses:
             run(_scatter_params_kernel, (nblk,), blocks, st, idx, values, BLOCK=K_BLOCK)
 
     def scape_count_common(self, a, na, b, nb, bits, nbytes):
-        """The C loop's passes: the bitmap zeroed (``nbytes``: whole 16-byte words) and ``b``'s
+        """The overlap count: the bitmap zeroed (``nbytes``: whole 16-byte words) and ``b``'s
         bits set (unless ``b`` is NULL: the bits given), ``a``'s counted."""
         assert nbytes % 16 == 0, "the overlap's bitmap is whole 16-byte words"
         nwords = nbytes // 4

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from .counted_launch import launch
-from .payload import _E_MAX, _E_MIN, _EXP_HEADROOM, SCALE_BLOCK
+from .payload_format import E_MAX as _E_MAX, E_MIN as _E_MIN, EXP_HEADROOM as _EXP_HEADROOM
+from .payload_format import SCALE_BLOCK
 
 BLOCK = 4096
 SCALE_GROUPS = 32          # fp8 scale blocks per program (4096 values)

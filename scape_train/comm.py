@@ -1,4 +1,5 @@
-"""Every collective the optimizers issue passes through here.
+"""Every collective of the package passes through here: the optimizers', the trainer's scalars
+and flags, checkpoint agreement, evaluation.
 
 Bytes are counted per step and per *kind* (``grad``, ``payload``, ``mask``, ``params``,
 ``gossip``...) as the bytes one rank sends and receives under the ring algorithms (all-reduce /
@@ -45,7 +46,7 @@ _GUARDED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_si
             "gather_object", "scatter_object_list", "gather", "scatter", "reduce",
             "all_to_all", "all_to_all_single", "batch_isend_irecv", "send", "recv", "isend",
             "irecv")
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])   # .../scape_train
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)   # .../scape_train
 _THIS_FILE = str(Path(__file__).resolve())
 
 
@@ -80,7 +81,7 @@ def enforce_comm_only() -> None:
             where = _caller_in_package()
             if where is not None:
                 raise CollectiveOutsideCommError(
-                    f"torch.distributed.{__name} called from {where}, outside optim/comm.py: every "
+                    f"torch.distributed.{__name} called from {where}, outside comm.py: every "
                     "collective goes through Comm (device tensors, counted bytes)")
             return __fn(*args, **kwargs)
 
