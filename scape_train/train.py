@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from scape_train import distributed as D
 from scape_train.checkpoint import CheckpointError, CheckpointManager, find_checkpoint
 from scape_train.checkpoint_layout import StateParts, trainer_parts
-from scape_train.config import Config, grad_accum_steps, validate
+from scape_train.config import Config, ConfigError, grad_accum_steps, validate
 from scape_train.metrics import (MetricsLogger, StepTimer, memory_metrics, peak_flops,
                                  plot_loss_curve, read_on_host)
 from scape_train.plan.check import check_memory
@@ -79,6 +79,25 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
+# cuBLAS GEMMs are deterministic only with a fixed workspace per stream (cuBLAS docs,
+# "Results reproducibility"); this one is the larger of the two settings it documents.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def use_deterministic_algorithms() -> None:
+    """``trainer.deterministic``: torch raises at the first cuBLAS GEMM when
+    CUBLAS_WORKSPACE_CONFIG is unset, and sizes its cuBLAS workspaces from it once, so it is set
+    here, before CUDA starts; a process that started CUDA without it is refused."""
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        if torch.cuda.is_initialized():
+            raise ConfigError(
+                "trainer.deterministic=true needs CUBLAS_WORKSPACE_CONFIG set before CUDA starts, "
+                f"and CUDA already started in this process: export CUBLAS_WORKSPACE_CONFIG="
+                f"{CUBLAS_WORKSPACE} before launching, or set trainer.deterministic=false")
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+    torch.use_deterministic_algorithms(True)
+
+
 def autocast_context(cfg: Config, device: torch.device):
     precision = cfg.trainer.precision
     if precision == "auto":
@@ -122,6 +141,8 @@ class Trainer:
         t = cfg.trainer
         if t.num_threads > 0:  # a negative value is reported by validate() below
             torch.set_num_threads(t.num_threads)
+        if t.deterministic:    # before init_distributed, which starts CUDA
+            use_deterministic_algorithms()
         self.info = D.init_distributed(t.device, t.dist_timeout_s)
         cfg, t = self._derive_config(cfg)     # +smoke overlay, init_from=hf: shapes
         from scape_train.preflight import check_preconditions
@@ -145,8 +166,6 @@ class Trainer:
         self.fault_nan_steps = {int(s) for s in os.environ.get("SCAPE_FAULT_NAN_STEPS", "").split(",")
                                 if s.strip()}
         seed_everything(t.seed)
-        if t.deterministic:
-            torch.use_deterministic_algorithms(True)
         self._build()
 
     # -- set-up ----------------------------------------------------------------------------
