@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from scape_train.config import Config, ConfigError, grad_accum_steps, validate
 from scape_train.metrics import (MetricsLogger, StepTimer, memory_metrics, peak_flops,
                                  plot_loss_curve, read_on_host)
 from scape_train.plan.check import check_memory
+from scape_train.preemption import StopSignal, warn_if_save_outlasts_the_agent
 from scape_train.rng import get_rng_state, seed_everything, set_rng_state
 from scape_train.schedule import lr_at
 from scape_train.tracking import init_wandb
@@ -51,32 +51,6 @@ class TrainState:
     nan_skips: int = 0            # consecutive skipped steps (nan_policy=skip)
     sent_bytes: int = 0           # bytes this rank sent by the last checkpoint (rank 0's when replicated)
     wandb_run_id: str | None = None
-
-
-class _StopSignal:
-    """SIGTERM/SIGINT (preemption) set a flag; the loop checkpoints at the end of the step."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. called from a worker): no handler
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:  # a second signal: stop at once
-            raise KeyboardInterrupt
-        log.warning("signal %d received: checkpointing at the end of this step, then exiting", signum)
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 # cuBLAS GEMMs are deterministic only with a fixed workspace per stream (cuBLAS docs,
@@ -165,6 +139,9 @@ class Trainer:
         # makes this process's loss NaN at those steps, as a bad batch would.
         self.fault_nan_steps = {int(s) for s in os.environ.get("SCAPE_FAULT_NAN_STEPS", "").split(",")
                                 if s.strip()}
+        # SCAPE_FAULT_SAVE_DELAY_S=35: every checkpoint save takes that much longer, as a large
+        # model's does (preemption under torchrun, tests/test_faults_kill.py)
+        self.fault_save_delay_s = float(os.environ.get("SCAPE_FAULT_SAVE_DELAY_S", "0"))
         seed_everything(t.seed)
         self._build()
 
@@ -292,6 +269,7 @@ class Trainer:
                 f"non-finite parameters after step {self.state.step}: not checkpointed. The last "
                 f"good checkpoint is {self.ckpt.latest_valid() or 'none'}; resume from it with "
                 "resume=auto, e.g. with a lower optimizer.lr or optimizer.clip_grad > 0.")
+        time.sleep(self.fault_save_delay_s)
         # Each piece once, by the rank that holds it: the strategy says which part of its state
         # is replicated, owner-sharded or per rank; tensors go to disk from where they live.
         self.state.sent_bytes = self.comm.total_sent_bytes()
@@ -308,7 +286,7 @@ class Trainer:
                               sharded=parts.sharded)
 
     # -- one step --------------------------------------------------------------------------
-    def train_step(self, timer: StepTimer, stop: _StopSignal) -> dict[str, float]:
+    def train_step(self, timer: StepTimer, stop: StopSignal) -> dict[str, float]:
         cfg, info, strategy = self.cfg, self.info, self.strategy
         step = self.state.step + 1
         lr = lr_at(step, kind=cfg.trainer.lr_schedule, peak=cfg.optimizer.lr,
@@ -340,7 +318,7 @@ class Trainer:
                 loss_mean = loss_total / info.world_size
             else:
                 loss_mean, bad, stop_any = self.comm.scalars(flags).tolist()
-            stop.requested = stop_any > 0
+            stop.agreed = stop_any > 0
             if bad > 0:
                 strategy.zero_grad()
                 return self._non_finite(step, loss_mean)
@@ -387,7 +365,7 @@ class Trainer:
         summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         window_start, window_steps = time.perf_counter(), 0
         try:
-            with _StopSignal() as stop:
+            with StopSignal() as stop:
                 done = self.strategy.progress(self.state.step) or 0
                 stop_at = done + t.stop_after if t.stop_after else None
                 while done < t.max_steps:
@@ -418,18 +396,20 @@ class Trainer:
                         continue
                     last = agreed >= t.max_steps
                     if stop_at is not None and agreed >= stop_at and not last:
-                        stop.requested = True  # same path as a preemption: checkpoint, exit
+                        stop.agreed = True  # same path as a preemption: checkpoint, exit
                     if _crossed(done, agreed, t.eval_every) or last:
                         val = evaluate(self.fwd_model, self.val_batches, self.autocast, info, t.eval_batches)
                         logger.log(step, {"val_loss": val})
                         summary["val_loss"] = val
                         window_start = time.perf_counter()  # validation time is not training time
-                    if _crossed(done, agreed, t.checkpoint_every) or last or stop.requested:
+                    if _crossed(done, agreed, t.checkpoint_every) or last or stop.agreed:
+                        saving = time.perf_counter()
                         summary["checkpoint"] = str(self.save_checkpoint())
                         window_start = time.perf_counter()
+                        warn_if_save_outlasts_the_agent(window_start - saving)
                     done = agreed
                     logger.advance(agreed)
-                    if stop.requested:
+                    if stop.agreed:
                         log.warning("stopped after step %d (signal or trainer.stop_after); "
                                     "checkpoint %s", step, summary.get("checkpoint"))
                         summary["stopped_early"] = True
