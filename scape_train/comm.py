@@ -134,13 +134,13 @@ class _WaitTimer:
     """Times a wait: CUDA events on the current stream under CUDA (the stream stalls there, the
     host does not), the host clock otherwise."""
 
-    def __init__(self, stats: KindStats, device: torch.device, started: float | None = None):
+    def __init__(self, stats: KindStats, device: torch.device):
         self.stats, self.cuda = stats, device.type == "cuda"
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
         else:
-            self.start = time.perf_counter() if started is None else started
+            self.start = time.perf_counter()
 
     def stop(self) -> None:
         if self.cuda:
@@ -230,21 +230,23 @@ class Comm:
                     f"on {self.device} (backend {self.backend}); NCCL refuses host tensors: build "
                     "it on Comm.device")
 
-    def _run(self, kind: str, work, async_op: bool, finish=None, started: float | None = None
-             ) -> Handle:
-        """``started``: when the (blocking) collective was issued, so its time counts as wait."""
+    def _run(self, kind: str, work, async_op: bool, finish=None,
+             timer: _WaitTimer | None = None) -> Handle:
+        """``timer``: started before a blocking collective was issued (:meth:`_start_timer`)."""
         handle = Handle(self, kind, work if async_op else None, finish)
         if not async_op:
-            timer = _WaitTimer(self.stats[kind], self.device, started)
             if finish is not None:
                 finish()
             timer.stop()
             handle.done = True
         return handle
 
-    def _start_timer(self) -> float | None:
-        """The host time a blocking gloo collective starts (CUDA: events time it instead)."""
-        return None if self.device.type == "cuda" else time.perf_counter()
+    def _start_timer(self, kind: str, async_op: bool) -> _WaitTimer | None:
+        """Started before a blocking collective is issued: all of a blocking call is wait. NCCL
+        queues the stream's wait inside the call (an event recorded after it would time
+        nothing), gloo blocks the host there. An async collective's wait is timed in
+        ``Handle.wait``."""
+        return None if async_op else _WaitTimer(self.stats[kind], self.device)
 
     def total_sent_bytes(self) -> int:
         """Data bytes this rank sent over the whole run so far, the current window included:
@@ -282,13 +284,13 @@ class Comm:
         self._check(tensor)
         n = ring_all_reduce_bytes(_nbytes(tensor), self.world)
         self.count(kind, n, n)
-        started = self._start_timer()
+        timer = self._start_timer(kind, async_op)
         reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
                      "max": dist.ReduceOp.MAX}[op]
         work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
         # gloo has no ReduceOp.AVG: sum, then divide once the data has arrived.
         finish = (lambda: tensor.div_(self.world)) if average and op == "sum" else None
-        return self._run(kind, work, async_op, finish, started)
+        return self._run(kind, work, async_op, finish, timer)
 
     def scalars(self, values) -> torch.Tensor:
         """Numbers and 0-d device tensors as one float64 tensor on ``device``, without reading
@@ -315,9 +317,9 @@ class Comm:
         self._check(output, shard)
         n = ring_all_gather_bytes(_nbytes(shard), self.world)
         self.count(kind, n, n)
-        started = self._start_timer()
+        timer = self._start_timer(kind, async_op)
         work = dist.all_gather_single(output, shard, group=self.group, async_op=async_op)
-        return self._run(kind, work, async_op, started=started)
+        return self._run(kind, work, async_op, timer=timer)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, kind: str,
                        average: bool = True, async_op: bool = False) -> Handle:
@@ -328,11 +330,11 @@ class Comm:
         self._check(output, input)
         n = ring_reduce_scatter_bytes(_nbytes(input), self.world)
         self.count(kind, n, n)
-        started = self._start_timer()
+        timer = self._start_timer(kind, async_op)
         work = dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group,
                                           async_op=async_op)
         finish = (lambda: output.div_(self.world)) if average else None
-        return self._run(kind, work, async_op, finish, started)
+        return self._run(kind, work, async_op, finish, timer)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, kind: str,
                    async_op: bool = False) -> Handle:
@@ -348,9 +350,9 @@ class Comm:
                              f"output {output.numel()}, world {self.world}")
         n = all_to_all_bytes(_nbytes(input), self.world)
         self.count(kind, n, n)
-        started = self._start_timer()
+        timer = self._start_timer(kind, async_op)
         work = dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
-        return self._run(kind, work, async_op, started=started)
+        return self._run(kind, work, async_op, timer=timer)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, kind: str) -> Handle:
         if self.world == 1:
@@ -358,8 +360,9 @@ class Comm:
         self._check(tensor)
         n = _nbytes(tensor)
         self.count(kind, n if self.rank == src else 0, 0 if self.rank == src else n)
+        timer = self._start_timer(kind, async_op=False)
         dist.broadcast(tensor, src=self._global(src), group=self.group)
-        return Handle(self, kind)
+        return self._run(kind, None, False, timer=timer)
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
                  *, kind: str, async_op: bool = False) -> Handle:
@@ -371,6 +374,7 @@ class Comm:
         if not ops:
             return Handle(self, kind)
         self.count(kind, sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs))
+        timer = self._start_timer(kind, async_op)
         works = dist.batch_isend_irecv(ops)
 
         class _All:
@@ -378,7 +382,8 @@ class Comm:
                 for w in works:
                     w.wait()
 
-        return self._run(kind, _All(), async_op, None if async_op else (lambda: _All().wait()))
+        return self._run(kind, _All(), async_op, None if async_op else (lambda: _All().wait()),
+                         timer)
 
     # -- control: objects and barriers (start-up, checkpoints, evaluation) -----------------
     def broadcast_object(self, obj, src: int = 0, *, kind: str = "control"):

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +28,11 @@ from omegaconf import OmegaConf
 from scape_train import distributed as D
 from scape_train.checkpoint import CheckpointError, CheckpointManager, find_checkpoint
 from scape_train.checkpoint_layout import StateParts, trainer_parts
-from scape_train.config import Config, grad_accum_steps, validate
+from scape_train.config import Config, ConfigError, grad_accum_steps, validate
 from scape_train.metrics import (MetricsLogger, StepTimer, memory_metrics, peak_flops,
                                  plot_loss_curve, read_on_host)
 from scape_train.plan.check import check_memory
+from scape_train.preemption import StopSignal, warn_if_save_outlasts_the_agent
 from scape_train.rng import get_rng_state, seed_everything, set_rng_state
 from scape_train.schedule import lr_at
 from scape_train.tracking import init_wandb
@@ -53,30 +53,23 @@ class TrainState:
     wandb_run_id: str | None = None
 
 
-class _StopSignal:
-    """SIGTERM/SIGINT (preemption) set a flag; the loop checkpoints at the end of the step."""
+# cuBLAS GEMMs are deterministic only with a fixed workspace per stream (cuBLAS docs,
+# "Results reproducibility"); this one is the larger of the two settings it documents.
+CUBLAS_WORKSPACE = ":4096:8"
 
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
 
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. called from a worker): no handler
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:  # a second signal: stop at once
-            raise KeyboardInterrupt
-        log.warning("signal %d received: checkpointing at the end of this step, then exiting", signum)
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+def use_deterministic_algorithms() -> None:
+    """``trainer.deterministic``: torch raises at the first cuBLAS GEMM when
+    CUBLAS_WORKSPACE_CONFIG is unset, and sizes its cuBLAS workspaces from it once, so it is set
+    here, before CUDA starts; a process that started CUDA without it is refused."""
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        if torch.cuda.is_initialized():
+            raise ConfigError(
+                "trainer.deterministic=true needs CUBLAS_WORKSPACE_CONFIG set before CUDA starts, "
+                f"and CUDA already started in this process: export CUBLAS_WORKSPACE_CONFIG="
+                f"{CUBLAS_WORKSPACE} before launching, or set trainer.deterministic=false")
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+    torch.use_deterministic_algorithms(True)
 
 
 def autocast_context(cfg: Config, device: torch.device):
@@ -114,6 +107,8 @@ class Trainer:
         t = cfg.trainer
         if t.num_threads > 0:  # a negative value is reported by validate() below
             torch.set_num_threads(t.num_threads)
+        if t.deterministic:    # before init_distributed, which starts CUDA
+            use_deterministic_algorithms()
         self.info = D.init_distributed(t.device, t.dist_timeout_s)
         cfg, t = self._derive_config(cfg)     # +smoke overlay, init_from=hf: shapes
         from scape_train.preflight import check_preconditions
@@ -136,9 +131,10 @@ class Trainer:
         # makes this process's loss NaN at those steps, as a bad batch would.
         self.fault_nan_steps = {int(s) for s in os.environ.get("SCAPE_FAULT_NAN_STEPS", "").split(",")
                                 if s.strip()}
+        # SCAPE_FAULT_SAVE_DELAY_S=35: every checkpoint save takes that much longer, as a large
+        # model's does (preemption under torchrun, tests/test_faults_kill.py)
+        self.fault_save_delay_s = float(os.environ.get("SCAPE_FAULT_SAVE_DELAY_S", "0"))
         seed_everything(t.seed)
-        if t.deterministic:
-            torch.use_deterministic_algorithms(True)
         self._build()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -265,6 +261,7 @@ class Trainer:
                 f"non-finite parameters after step {self.state.step}: not checkpointed. The last "
                 f"good checkpoint is {self.ckpt.latest_valid() or 'none'}; resume from it with "
                 "resume=auto, e.g. with a lower optimizer.lr or optimizer.clip_grad > 0.")
+        time.sleep(self.fault_save_delay_s)
         # Each piece once, by the rank that holds it: the strategy says which part of its state
         # is replicated, owner-sharded or per rank; tensors go to disk from where they live.
         self.state.sent_bytes = self.comm.total_sent_bytes()
@@ -281,7 +278,7 @@ class Trainer:
                               sharded=parts.sharded)
 
     # -- one step --------------------------------------------------------------------------
-    def train_step(self, timer: StepTimer, stop: _StopSignal) -> dict[str, float]:
+    def train_step(self, timer: StepTimer, stop: StopSignal) -> dict[str, float]:
         cfg, info, strategy = self.cfg, self.info, self.strategy
         step = self.state.step + 1
         lr = lr_at(step, kind=cfg.trainer.lr_schedule, peak=cfg.optimizer.lr,
@@ -313,7 +310,7 @@ class Trainer:
                 loss_mean = loss_total / info.world_size
             else:
                 loss_mean, bad, stop_any = self.comm.scalars(flags).tolist()
-            stop.requested = stop_any > 0
+            stop.agreed = stop_any > 0
             if bad > 0:
                 strategy.zero_grad()
                 return self._non_finite(step, loss_mean)
@@ -360,7 +357,7 @@ class Trainer:
         summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         window_start, window_steps = time.perf_counter(), 0
         try:
-            with _StopSignal() as stop:
+            with StopSignal() as stop:
                 done = self.strategy.progress(self.state.step) or 0
                 stop_at = done + t.stop_after if t.stop_after else None
                 while done < t.max_steps:
@@ -391,18 +388,20 @@ class Trainer:
                         continue
                     last = agreed >= t.max_steps
                     if stop_at is not None and agreed >= stop_at and not last:
-                        stop.requested = True  # same path as a preemption: checkpoint, exit
+                        stop.agreed = True  # same path as a preemption: checkpoint, exit
                     if _crossed(done, agreed, t.eval_every) or last:
                         val = evaluate(self.fwd_model, self.val_batches, self.autocast, info, t.eval_batches)
                         logger.log(step, {"val_loss": val})
                         summary["val_loss"] = val
                         window_start = time.perf_counter()  # validation time is not training time
-                    if _crossed(done, agreed, t.checkpoint_every) or last or stop.requested:
+                    if _crossed(done, agreed, t.checkpoint_every) or last or stop.agreed:
+                        saving = time.perf_counter()
                         summary["checkpoint"] = str(self.save_checkpoint())
                         window_start = time.perf_counter()
+                        warn_if_save_outlasts_the_agent(window_start - saving)
                     done = agreed
                     logger.advance(agreed)
-                    if stop.requested:
+                    if stop.agreed:
                         log.warning("stopped after step %d (signal or trainer.stop_after); "
                                     "checkpoint %s", step, summary.get("checkpoint"))
                         summary["stopped_early"] = True

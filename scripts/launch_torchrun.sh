@@ -9,4 +9,6 @@ PY=${PY:-.venv/bin/python}
 NPROC=${NPROC:-$("$PY" -c "import torch; print(max(1, torch.cuda.device_count()))")}
 # Split the cores evenly between ranks so CPU runs do not oversubscribe.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m scape_train "$@"
+source scripts/preemption.sh   # how long torchrun's agent waits for a checkpoint on SIGTERM
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+  --shutdown_timeout="$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" -m scape_train "$@"

@@ -167,6 +167,20 @@ def run_to_end(cmd: list[str], log_prefix: Path, env=None, timeout: float = 180.
     return kill_when(proc, lambda: False, timeout=timeout)
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's workers: in sessions of their own)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
 # ------------------------------------------------------------------ results
 
 def final_params(run_dir) -> dict[str, torch.Tensor]:

@@ -97,3 +97,52 @@ def test_ring_formulas(nbytes, world):
     assert ring_all_gather_bytes(nbytes, world) == (world - 1) * nbytes
     assert ring_reduce_scatter_bytes(nbytes, world) == (world - 1) * nbytes // world
     assert ring_all_reduce_bytes(nbytes, 1) == 0
+
+
+class _StreamClock:
+    """A CUDA stream as the events see it: a blocking NCCL collective returns at once on the
+    host and queues the stream's wait (here: 1 s of stream time) inside the call."""
+    now = 0.0
+
+
+class _StreamEvent:
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = _StreamClock.now
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                        "broadcast", "exchange"])
+def test_blocking_collectives_count_their_wait_on_cuda(collective, monkeypatch):
+    """Fake events on a fake CUDA comm: the stream's wait queued inside each blocking call is
+    counted in ``comm/wait_s`` (the start event is recorded before the call)."""
+    import torch.distributed as dist
+
+    def queued_wait(*args, **kwargs):
+        _StreamClock.now += 1.0
+        return [] if args and isinstance(args[0], list) else None   # batch_isend_irecv: works
+
+    for name in ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single",
+                 "broadcast", "batch_isend_irecv"):
+        monkeypatch.setattr(dist, name, queued_wait, raising=False)
+    monkeypatch.setattr(dist, "P2POp", lambda *a: a)
+    monkeypatch.setattr(torch.cuda, "Event", _StreamEvent)
+    monkeypatch.setattr(Comm, "_check", lambda self, *t: None)   # host tensors stand in
+    comm = Comm()
+    comm.world, comm.device = 2, torch.device("cuda", 0)
+    x = torch.zeros(4)
+    {"all_reduce": lambda: comm.all_reduce(x, kind="k"),
+     "all_gather": lambda: comm.all_gather(torch.zeros(8), x, kind="k"),
+     "reduce_scatter": lambda: comm.reduce_scatter(torch.zeros(2), x, kind="k"),
+     "all_to_all": lambda: comm.all_to_all(torch.zeros(4), x, kind="k"),
+     "broadcast": lambda: comm.broadcast(x, kind="k"),
+     "exchange": lambda: comm.exchange([(x, 1)], [(torch.zeros(4), 1)], kind="k")}[collective]()
+    assert comm.pop_stats()["comm/wait_s"] == pytest.approx(1.0)

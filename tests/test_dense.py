@@ -59,6 +59,38 @@ def test_ddp_equals_single_process_on_concatenated_batch(name):
     assert ref[0][1] > 0.5   # the clip acted
 
 
+def _grad_storages_worker(rank, world, flat_grads):
+    """Gradient storages after two steps (zero_grad sets p.grad to None between them) and a
+    third accumulated backward, and their bytes."""
+    from ._optim_common import train_step
+    strategy, wrapped, model = make(OptimizerConfig(name="adamw", flat_grads=flat_grads))
+    for t in (1, 2):
+        train_step(strategy, wrapped, t, rank, micro=MICRO)
+    x, y = batch(3, rank, 8 * MICRO)
+    for i, (xs, ys) in enumerate(zip(x.chunk(MICRO), y.chunk(MICRO))):
+        with strategy.sync_context(wrapped, i == MICRO - 1):
+            loss_fn(wrapped, xs, ys).backward()
+    grads = [p.grad for p in model.parameters()]
+    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
+    return len(grads), len(storages), sum(storages.values())
+
+
+def test_ddp_gradients_are_views_of_its_buckets():
+    """No second gradient copy: with optimizer.flat_grads (the default) every p.grad is a view
+    of one of DDP's buckets; off, autograd's own tensors (one storage each)."""
+    n_params, n_storages, nbytes = run_distributed(_grad_storages_worker, WORLD, (True,))[0]
+    numel = sum(p.numel() for p in tiny_model().parameters())
+    assert n_storages < n_params and nbytes == 4 * numel, (n_params, n_storages, nbytes)
+    n_params, n_storages, _ = run_distributed(_grad_storages_worker, WORLD, (False,))[0]
+    assert n_storages == n_params
+    # the memory plan: the buckets are the gradient row, held throughout, no second copy
+    from scape_train.plan.optimizer_memory import optimizer_memory
+    from tests.helpers import compose_config
+
+    plan = optimizer_memory(compose_config(["optimizer=adamw"]), tiny_model(), WORLD, on_gpu=False)
+    assert plan.grads_persistent and sum(b for _, b in plan.state) == 2 * 4 * numel, plan.state
+
+
 def _topk_worker(rank, world):
     return {d: _topk_run(rank, d) for d in (1.0, 0.3)}
 

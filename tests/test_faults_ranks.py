@@ -102,21 +102,8 @@ def test_hung_rank_others_time_out_instead_of_waiting_forever(tmp_path, cache):
 
 # ---------------------------------------------------------------- torchrun restarts the group
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def _worker_of_rank(agent_pid: int, rank: int) -> int | None:
-    for pid in _children(agent_pid):
+    for pid in fj.children(agent_pid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:

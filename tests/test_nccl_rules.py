@@ -120,7 +120,8 @@ def test_optimizer_step_reads_nothing_back_from_the_device(cfg_kw):
 def test_trainer_step_makes_one_host_sync(tmp_path, tmp_path_factory, extra, monkeypatch):
     """The loss agreement is the step's one read; metrics are read at log steps only."""
     from scape_train.metrics import StepTimer
-    from scape_train.train import Trainer, _StopSignal
+    from scape_train.preemption import StopSignal
+    from scape_train.train import Trainer
 
     from . import _fault_job as fj
     from .helpers import SMALL, compose_config
@@ -129,7 +130,7 @@ def test_trainer_step_makes_one_host_sync(tmp_path, tmp_path_factory, extra, mon
                                   f"data.tokenizer.cache_dir={fj.tok_cache(tmp_path_factory)}",
                                   "trainer.max_steps=6", *extra])
     trainer = Trainer(cfg)
-    timer, stop = StepTimer(trainer.info.device), _StopSignal()
+    timer, stop = StepTimer(trainer.info.device), StopSignal()
     try:
         per_step = []
         for _ in range(4):

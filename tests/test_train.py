@@ -204,3 +204,44 @@ def test_resume_auto_refuses_when_every_checkpoint_is_corrupted(tmp_path, tok_ca
     with pytest.raises(CheckpointError, match="none passes its checksums"):
         run(job(tmp_path, tok_cache, "trainer.max_steps=4", "resume=auto"))
     assert (ckpt / "model.pt").read_bytes() == b"not a checkpoint"  # left for the user to inspect
+
+
+@pytest.fixture
+def no_cublas_config(monkeypatch):
+    """CUBLAS_WORKSPACE_CONFIG unset for the test and as it was afterwards; determinism off after."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_sets_the_cublas_workspace_before_cuda_starts(tmp_path, tok_cache,
+                                                                    monkeypatch, no_cublas_config):
+    """Without CUBLAS_WORKSPACE_CONFIG, deterministic mode raises at the first cuBLAS GEMM: the
+    trainer sets it before ``init_distributed`` (where CUDA starts) and determinism is on."""
+    import os
+
+    from scape_train import train as train_module
+
+    seen = []
+    real_init = train_module.D.init_distributed
+
+    def init_distributed(*args, **kwargs):
+        seen.append(os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(train_module.D, "init_distributed", init_distributed)
+    trainer = train_module.Trainer(job(tmp_path, tok_cache, "trainer.deterministic=true"))
+    trainer.train_loader.close()
+    assert seen == [":4096:8"] and torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_refuses_when_cuda_started_without_the_cublas_workspace(monkeypatch,
+                                                                              no_cublas_config):
+    from scape_train.config import ConfigError
+    from scape_train.train import use_deterministic_algorithms
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError, match="CUBLAS_WORKSPACE_CONFIG=:4096:8 before launching"):
+        use_deterministic_algorithms()
+    assert not torch.are_deterministic_algorithms_enabled()

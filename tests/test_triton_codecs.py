@@ -146,7 +146,8 @@ def _special(n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", LOWP)
-@pytest.mark.parametrize("n", [0, 1, 5, 127, 128, 129, 1000, 3 * SCALE_BLOCK + 5])
+@pytest.mark.parametrize("n", [0, 1, 5, 127, 128, 129, 1000, 3 * SCALE_BLOCK + 5,
+                               2 * TP.SCALE_GROUPS * SCALE_BLOCK + 5])    # 3 programs per row
 def test_payload_codec_matches_the_torch_codec(name, n):
     ref, fast = PayloadCodec(name, "torch"), PayloadCodec(name, "triton")
     for rows in (1, 3):
@@ -335,6 +336,28 @@ def test_counted_decode_bytes_follow_the_plan():
     assert ops.bytes_moved - sum(ops.kernel_bytes.values()) < plan.total // 2
     assert bits.numel() == traffic.bits_bytes(plan.total) and bits.numel() % 16 == 0
     assert ops.ops["triton::mask_decode_scan"] == 1
+
+
+CUDA_GRID_MAX = (2 ** 31 - 1, 65535, 65535)
+
+
+@pytest.mark.parametrize("rows, n", [(1, 300_000_000), (1, 2 ** 34), (64, 2 ** 28)])
+def test_fp8_launch_grids_stay_within_cudas_limits(rows, n, monkeypatch):
+    """A row above ~268M values (world size 1, a large k) took more than 65,535 programs in
+    grid y; the grids, computed without launching (meta tensors), fit CUDA's limits and cover
+    every block."""
+    grids = []
+    monkeypatch.setattr(TP, "launch", lambda kernel, grid, *a, **k: grids.append(grid))
+    x = torch.empty(rows, n, device="meta")
+    nb = -(-n // SCALE_BLOCK)
+    TP.decode(TP.encode(x, "fp8_e4m3", n + nb), n, "fp8_e4m3")
+    assert len(grids) == 2
+    for grid in grids:
+        assert all(g <= limit for g, limit in zip(grid, CUDA_GRID_MAX)), grid
+        programs = 1
+        for g in grid:
+            programs *= g
+        assert programs * TP.SCALE_GROUPS >= rows * nb > (programs - rows) * TP.SCALE_GROUPS
 
 
 @pytest.mark.parametrize("name", LOWP)

@@ -1,7 +1,8 @@
 """Dense data-parallel baselines: DDP's gradient all-reduce, then AdamW or AdamS (spec §5).
 
 DDP's bucket all-reduce is routed through :class:`Comm` by a comm hook (kind ``grad``), so a dense
-run logs its communication volume exactly like SCAPE does.
+run logs its communication volume exactly like SCAPE does. The gradients are views of DDP's
+buckets (``optimizer.flat_grads``, on by default), as SCAPE's are views of its flat buffer.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ class DenseStrategy(OptimizerStrategy):
         ddp.register_comm_hook(self.comm, counted_allreduce_hook)
 
     def _ddp_kwargs(self, model: nn.Module) -> dict[str, Any]:
-        return {}
+        # p.grad as views of DDP's buckets (optimizer.flat_grads): without them each gradient
+        # is held twice (4 B/param more) and copied into its bucket and back every step
+        return {"gradient_as_bucket_view": self.cfg.flat_grads}
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if self.comm.world <= 1:

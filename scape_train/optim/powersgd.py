@@ -73,10 +73,11 @@ class PowerSGDStrategy(DenseStrategy):
         # torch's hook issues the P and Q all-reduces from future callbacks; with several buckets
         # on gloo those callbacks race across ranks and the collectives mismatch (seen at step 5
         # on 4 ranks). One bucket keeps one ordered chain of collectives per step on gloo.
+        kwargs = super()._ddp_kwargs(model)
         if self.comm.backend == "gloo":
             total_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-            return {"bucket_cap_mb": total_mb + 1.0}
-        return {}
+            kwargs["bucket_cap_mb"] = total_mb + 1.0
+        return kwargs
 
     def _register_hook(self, ddp: DDP) -> None:
         self.ps_state = psgd.PowerSGDState(

@@ -117,10 +117,11 @@ def activation_bound(cfg: Config, vocab: int, bf16: bool, on_gpu: bool, accum: i
 def _rows(params: int, opt: OptimizerMemory, fb: MicroBatchTrace, bf16: bool) -> list[Row]:
     rows = [Row("parameters (fp32)", (params, params, params))]
     rows += [Row(name, (b, b, b)) for name, b in opt.state]
-    if opt.grads_persistent:        # one flat buffer, alive through the forward too, and
+    if opt.grads_persistent:        # SCAPE's flat buffer or DDP's buckets, alive through the
+        # forward and checkpoints too (zero_grad zeroes or unlinks them, never frees them), and
         # the largest gradient autograd makes before adding it in
-        rows.append(Row("gradients (fp32, one flat buffer)",
-                        (fb.grads + opt.grads_transient, fb.grads, None)))
+        rows.append(Row("gradients (fp32, persistent buffers)",
+                        (fb.grads + opt.grads_transient, fb.grads, fb.grads)))
     else:
         rows.append(Row("gradients (fp32)", (fb.peak_grads, fb.grads, None)))
     rows.append(Row(f"activations of one micro-batch ({'bf16 autocast' if bf16 else 'fp32'})",

@@ -6,8 +6,9 @@ whole run (its state), what it keeps in host memory instead, and the extra bytes
 code (``simulate.Replay``), so the temporaries alive together are the ones the code keeps together:
 
 - dense (``optim/dense.py``): AdamW 2 fp32 buffers (foreach: a sqrt(v) list per param group while it
-  updates), AdamS 1 (``adams_update_`` builds v per tensor); DDP (world > 1) keeps a bucket copy of
-  every gradient (``gradient_as_bucket_view`` is off).
+  updates), AdamS 1 (``adams_update_`` builds v per tensor); under DDP (world > 1) the gradients are
+  views of its buckets (``flat_grads``), held through the forward too like SCAPE's flat buffer
+  (off: the buckets are a second copy of every gradient).
 - SCAPE (``optim/scape/``): replicated holds m and the residual e full size (e in host memory with
   ``offload_residuals``) and the bool masks; sharded holds m and rho on its own flat range and e full
   size. A step adds the flat gradient copy g (none with ``flat_grads``: the gradients are one
@@ -44,9 +45,9 @@ class OptimizerMemory:
     step_where: str = ""
     checkpoint: int = 0           # extra device bytes at the peak of state_dict()
     checkpoint_where: str = ""
-    # the gradients live for the whole step (a persistent flat buffer, SCAPE's flat_grads), not
-    # from their layer's backward on; autograd makes each one before adding it into the buffer,
-    # so the largest of them is alive beside the buffer for a moment (``grads_transient``)
+    # the gradients live for the whole step (a persistent flat buffer: SCAPE's flat_grads, DDP's
+    # buckets), not from their layer's backward on; autograd makes each one before adding it into
+    # the buffer, so the largest of them is alive beside the buffer for a moment (``grads_transient``)
     grads_persistent: bool = False
     grads_transient: int = 0
 
@@ -94,7 +95,10 @@ def _dense(cfg: Config, p: _Params, world: int) -> OptimizerMemory:
     inner = "adams" if o.name == "adams" else "adamw"
     mem = OptimizerMemory(state=_adam_state(inner, p.total))
     if world > 1:
-        mem.state.append(("DDP gradient buckets (fp32)", F32 * p.total))
+        if o.flat_grads:    # p.grad are views of DDP's buckets: the gradients are the buckets
+            mem.grads_persistent, mem.grads_transient = True, F32 * p.largest
+        else:
+            mem.state.append(("DDP gradient buckets (fp32)", F32 * p.total))
         if o.name == "powersgd":
             mem.state.append(("PowerSGD error feedback (fp32)", F32 * p.total))
     r = Replay()

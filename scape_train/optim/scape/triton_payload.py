@@ -16,7 +16,8 @@ has no fp8 and little bf16 support, runs the same code:
   ``amax`` propagates it); 0 for 0, inf and NaN, as ``torch.frexp``.
 
 Sizes come from the shapes: nothing is read back to the host. One program covers SCALE_GROUPS
-blocks of SCALE_BLOCK values of one row (fp8) or BLOCK values (bf16).
+blocks of SCALE_BLOCK values of one row (fp8) or BLOCK values (bf16); every grid is one
+dimension (CUDA's x, up to 2^31 - 1 programs).
 """
 
 from __future__ import annotations
@@ -161,19 +162,21 @@ def _bf16_decode_kernel(h_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_tile(n, nblocks, GROUPS: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    """This program's blocks (of its row) and their values' columns."""
-    blk = tl.program_id(1).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+def _fp8_tile(n, nblocks, tiles, GROUPS: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """This program's row, its blocks (of the row) and their values' columns: program
+    ``row * tiles + tile`` (:func:`fp8_grid`)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // tiles
+    blk = (pid - row * tiles) * GROUPS + tl.arange(0, GROUPS)
     col = blk[:, None] * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)[None, :]
-    return blk, blk < nblocks, col, col < n
+    return row, blk, blk < nblocks, col, col < n
 
 
 @triton.jit
-def _fp8_encode_kernel(x_ptr, out_ptr, n, nblocks, row_bytes, MBITS: tl.constexpr,
+def _fp8_encode_kernel(x_ptr, out_ptr, n, nblocks, tiles, row_bytes, MBITS: tl.constexpr,
                        BIAS: tl.constexpr, SATURATE: tl.constexpr, HEADROOM: tl.constexpr,
                        GROUPS: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    blk, blk_in, col, inside = _fp8_tile(n, nblocks, GROUPS, SCALE_BLOCK)
+    row, blk, blk_in, col, inside = _fp8_tile(n, nblocks, tiles, GROUPS, SCALE_BLOCK)
     bits = tl.load(x_ptr + row * n + col, mask=inside, other=0)      # padding: zeros
     e = _scale_exponent(tl.max(bits & 0x7FFFFFFF, axis=1), HEADROOM)
     q = _fp32_to_fp8(_mul_pow2(bits, -e[:, None]), MBITS, BIAS, SATURATE)
@@ -183,11 +186,10 @@ def _fp8_encode_kernel(x_ptr, out_ptr, n, nblocks, row_bytes, MBITS: tl.constexp
 
 
 @triton.jit
-def _fp8_decode_kernel(b_ptr, out_ptr, n, nblocks, row_stride, MBITS: tl.constexpr,
+def _fp8_decode_kernel(b_ptr, out_ptr, n, nblocks, tiles, row_stride, MBITS: tl.constexpr,
                        BIAS: tl.constexpr, SATURATE: tl.constexpr, GROUPS: tl.constexpr,
                        SCALE_BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    blk, blk_in, col, inside = _fp8_tile(n, nblocks, GROUPS, SCALE_BLOCK)
+    row, blk, blk_in, col, inside = _fp8_tile(n, nblocks, tiles, GROUPS, SCALE_BLOCK)
     src = b_ptr + row * row_stride
     code = tl.load(src + col, mask=inside, other=0).to(tl.int32)
     e = tl.load(src + n + blk, mask=blk_in, other=0).to(tl.int32)
@@ -198,6 +200,16 @@ def _fp8_decode_kernel(b_ptr, out_ptr, n, nblocks, row_stride, MBITS: tl.constex
 
 # ----------------------------------------------------------------------------------------------
 # launchers (called by PayloadCodec: shapes and names already checked there)
+
+
+def fp8_grid(rows: int, n: int) -> tuple[tuple[int], int]:
+    """The fp8 kernels' launch grid over ``rows`` rows of ``n`` values, and the programs per row.
+
+    One dimension, ``rows * tiles`` programs: CUDA's grid x reaches 2^31 - 1 while y and z stop
+    at 65,535, which a second dimension of tiles would pass at a row of ~268M values (world
+    size 1, a large k)."""
+    tiles = triton.cdiv(triton.cdiv(n, SCALE_BLOCK), SCALE_GROUPS)
+    return (rows * tiles,), tiles
 
 
 def _rows_bytes(b: torch.Tensor) -> torch.Tensor:
@@ -218,9 +230,10 @@ def encode(x: torch.Tensor, name: str, nbytes: int) -> torch.Tensor:
                num_warps=NUM_WARPS)
         return out
     nb = triton.cdiv(n, SCALE_BLOCK)
+    grid, tiles = fp8_grid(rows, n)
     # 4 B read and 1 B written per value, 1 B per block's exponent
-    launch(_fp8_encode_kernel, (rows, triton.cdiv(nb, SCALE_GROUPS)), f"payload_encode_{name}",
-           rows * (5 * n + nb), bits, out, n, nb, nbytes, **_FP8[name],
+    launch(_fp8_encode_kernel, grid, f"payload_encode_{name}",
+           rows * (5 * n + nb), bits, out, n, nb, tiles, nbytes, **_FP8[name],
            HEADROOM=_EXP_HEADROOM[name], GROUPS=SCALE_GROUPS, SCALE_BLOCK=SCALE_BLOCK,
            num_warps=NUM_WARPS)
     return out
@@ -239,8 +252,9 @@ def decode(b: torch.Tensor, n: int, name: str) -> torch.Tensor:
         return out.view(torch.float32)
     b = _rows_bytes(b)
     nb = triton.cdiv(n, SCALE_BLOCK)
+    grid, tiles = fp8_grid(rows, n)
     # 1 B read and 4 B written per value, 1 B per block's exponent
-    launch(_fp8_decode_kernel, (rows, triton.cdiv(nb, SCALE_GROUPS)), f"payload_decode_{name}",
-           rows * (5 * n + nb), b, out, n, nb, b.stride(0), **_FP8[name],
+    launch(_fp8_decode_kernel, grid, f"payload_decode_{name}",
+           rows * (5 * n + nb), b, out, n, nb, tiles, b.stride(0), **_FP8[name],
            GROUPS=SCALE_GROUPS, SCALE_BLOCK=SCALE_BLOCK, num_warps=NUM_WARPS)
     return out.view(torch.float32)
