@@ -252,13 +252,13 @@ def fused_densities(cfg: Config, n: int, counts_at) -> list[float]:
 def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: OptimizerMemory,
                 n: int) -> None:
     """Where the run takes the fused step: its state and step traced from the code
-    (:mod:`.scape_step`), at the largest fused density and at the largest whose mask coding has
-    per-one segments (indices or Elias-Fano: their decode tables and temporaries are index-sized,
-    a bitmap's are not). The fused engine's index vectors and decode tables are state from its
+    (:mod:`.scape_step`), at the largest fused density and, where the torch decode runs, at the
+    largest whose mask coding has per-one segments (indices or Elias-Fano: their decode tables
+    and temporaries are index-sized, a bitmap's are not). The fused engine's index vectors and decode tables are state from its
     first fused step on; the plan adds them to every step (an over-estimate of the warm-up's
     reference steps, which run before they exist). Where the density changes between fused steps
-    (a warm-up, a cooldown), each step builds its mask plan's tables anew: the step's figure
-    includes them too."""
+    (a warm-up, a cooldown), each step of the torch decode builds its mask plan's tables anew:
+    the step's figure includes them too."""
     from scape_train.optim.scape.mask_coding import BITMAP, MaskPlan
     from scape_train.optim.scape.masks import mask_counts
     from scape_train.optim.scape.partition import ParamLayout, build_partition
@@ -279,7 +279,10 @@ def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: Op
         return any(kind not in ("all", BITMAP) for kind in kinds)
 
     densities = fused_densities(cfg, n, ones)
-    traced = densities[:1] + [d for d in densities[1:] if per_one(d)][:1]
+    # the torch decode (the CPU's; a GPU's with use_triton=off) builds per-one tables per plan;
+    # the Triton decode builds none
+    torch_decode = not on_gpu or o.use_triton == "off"
+    traced = densities[:1] + ([d for d in densities[1:] if per_one(d)][:1] if torch_decode else [])
     # the model's vocabulary as the plan builds it (estimate.planned_vocab)
     vocab = cfg.model.vocab_size or cfg.data.tokenizer.vocab_size
     first = DensitySchedule.of(o, cfg.trainer.max_steps).at(1)
@@ -288,7 +291,8 @@ def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: Op
     for d in traced:
         fused = trace_fused_step(cfg, cfg.model, vocab, world, d, on_gpu)
         held = max(held, fused.held)
-        step = fused.step + (max(0, fused.held - state) if len(densities) > 1 else 0)
+        step = fused.step + (max(0, fused.held - state)
+                             if torch_decode and len(densities) > 1 else 0)
         if d == first or step > mem.step:
             mem.step, mem.step_where = step, f"fused step at density {d:.3g}: {fused.where}"
     if held > state:
