@@ -1,9 +1,11 @@
-"""The prepared GPU check cannot rot: it lists its checks anywhere, and its CPU-capable checks run
-at toy sizes here, through the same code the GPU run uses."""
+"""The prepared GPU check cannot rot: it lists its checks and their time limits anywhere, a check
+past its limit is killed without starving the next, and its CPU-capable checks run at toy sizes
+here, through the same code the GPU run uses, writing nothing but the two report files."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -11,29 +13,57 @@ import pytest
 
 from .conftest import REPO
 
+GPU_CHECK = str(REPO / "scripts" / "gpu_check.py")
 
-def test_dry_run_lists_every_check_and_runs_nothing(tmp_path):
+
+def test_dry_run_lists_every_check_with_its_limit_most_valuable_first():
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    assert names == ["env", "cuda_tests", "triton_vs_torch", "offload", "scape_vs_adams_step",
-                     "train_throughput", "memory_plan", "overlap_trace"]
+    rows = [re.match(r"(\S+)\s+(\d+) s", line) for line in proc.stdout.splitlines() if line.strip()]
+    assert all(rows), proc.stdout
+    limits = {m.group(1): int(m.group(2)) for m in rows}
+    total = limits.pop("deadline")
+    assert list(limits) == ["scape_vs_adams_step", "train_throughput", "memory_plan",
+                            "triton_vs_torch", "offload", "env", "overlap_trace"]
+    # one H200 lease: the checks stop themselves within 6 minutes, the backstop included
+    backstop = int(re.search(r"timeout --kill-after=(\d+) (\d+)",
+                             (REPO / "scripts" / "gpu_check.sh").read_text()).group(2))
+    assert total < backstop <= 360 - 5
+    one_gpu = {k: v for k, v in limits.items() if k != "overlap_trace"}   # skipped on one GPU
+    assert sum(one_gpu.values()) <= total
+
+
+def test_a_check_past_its_limit_is_killed_and_the_next_one_runs(tmp_path):
+    proc = subprocess.run([sys.executable, GPU_CHECK, "--smoke", "--out", str(tmp_path),
+                           "--only", "env,overlap_trace", "--limits", "env=0.2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert res["env"] == {"error": "timed out after 0.2 s (killed)"}
+    assert "skipped" in res["overlap_trace"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.md", "gpu_check.json"]
 
 
 @pytest.mark.slow
 def test_smoke_runs_the_cpu_capable_checks(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--smoke",
-                           "--out", str(tmp_path), "--only",
-                           "env,offload,scape_vs_adams_step,train_throughput,memory_plan"],
-                          capture_output=True, text=True, timeout=600)
+    """Toy sizes on the CPU (Triton interpreted), with limits a loaded 2-core machine meets."""
+    proc = subprocess.run([sys.executable, GPU_CHECK, "--smoke", "--out", str(tmp_path),
+                           "--only", "scape_vs_adams_step,train_throughput,memory_plan,"
+                           "triton_vs_torch,offload,env", "--deadline", "900",
+                           "--limits", "scape_vs_adams_step=240,train_throughput=240,"
+                           "memory_plan=120,triton_vs_torch=120,offload=60,env=60"],
+                          capture_output=True, text=True, timeout=960)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["offload"]["w_equal"] and res["offload"]["residual_equal"]
     step = res["scape_vs_adams_step"]
-    assert step["scape_d0.01"]["counted_host_syncs_per_step"] == 0
-    assert step["adams"]["counted_host_syncs_per_step"] == 0
+    for name in ("scape99", "adams"):
+        assert len(step[name]["warmup_s"]) == 5 and step[name]["median_s"] > 0
+        assert step[name]["counted_host_syncs_per_step"] == 0 and step[name]["launches_per_step"] > 0
     for run in res["train_throughput"].values():
-        assert run["returncode"] == 0, run
-        assert run["tokens_per_s"] > 0
+        assert run["completed"] and run["tokens_per_s"] > 0 and run["mfu"] > 0, run
+    assert all(p["estimate_gib"] > 0 for p in res["memory_plan"].values())
+    assert res["triton_vs_torch"]["ok"], res["triton_vs_torch"]
     assert (tmp_path / "gpu.md").read_text().startswith("# GPU check")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.md", "gpu_check.json"]

@@ -1,0 +1,416 @@
+"""The checks of ``scripts/gpu_check.py``, most valuable first, each with its time limit on one
+H200 (the runner runs each in a process of its own and kills it past the limit). Each takes a
+:class:`Ctx` and returns its figures as a JSON-able dict (``"ok": False`` or an exception: failed).
+``ctx.smoke``: toy sizes on the CPU, Triton interpreted where ``TRITON_INTERPRET=1``. Nothing is
+written outside ``ctx.tmp``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+CHECKS: dict[str, tuple[str, float, callable]] = {}     # name -> (what, limit_s, fn), in order
+
+
+def check(name: str, limit_s: float, what: str):
+    def deco(fn):
+        CHECKS[name] = (what, limit_s, fn)
+        return fn
+    return deco
+
+
+class Ctx:
+    def __init__(self, tmp: Path, smoke: bool, results: dict, limit_s: float):
+        import torch
+
+        self.tmp, self.smoke, self.results, self.limit_s = tmp, smoke, results, limit_s
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda" if self.cuda else "cpu")
+
+    def sync(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def step_times(self, fn, n: int, before=None) -> list[float]:
+        """Seconds of each of ``n`` calls of ``fn()``: device time between events on CUDA."""
+        import torch
+
+        times = []
+        for i in range(n):
+            if before is not None:
+                before(i)
+            self.sync()
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return times
+
+
+def cuda_syncs(fn) -> int:
+    """Synchronizing CUDA calls made by ``fn()``, as CUDA's own sync-debug mode reports them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return -1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _llama500m(ctx: Ctx, n_layers: int = 16):
+    """The paper's Llama-500M at its 32k vocabulary (toy sizes in smoke mode)."""
+    import torch
+
+    from scape_train.models import build_model
+    from scape_train.models.config import ModelConfig
+
+    if ctx.smoke:
+        cfg = ModelConfig(name="smoke", arch="llama", n_layers=2, d_model=64, n_heads=4,
+                          n_kv_heads=2, ffn_dim=128, max_seq_len=64, vocab_size=256)
+    else:
+        cfg = ModelConfig(name="llama500m", arch="llama", n_layers=n_layers, d_model=1536,
+                          n_heads=16, n_kv_heads=8, ffn_dim=4096, max_seq_len=4096,
+                          vocab_size=32000, vocab_pad_multiple=1, rope_theta=100000.0,
+                          tie_embeddings=False)
+    torch.manual_seed(0)
+    return build_model(cfg, vocab_size=cfg.vocab_size, device=ctx.device)
+
+
+def _gradient_filler(ctx: Ctx, params, current: dict):
+    """``fill(i)``: seeded gradients into the current strategy's gradient buffer."""
+    import torch
+
+    from scape_train.optim.grad_buffer import write_grads
+
+    def fill(i):
+        g = torch.Generator(device=ctx.device).manual_seed(i)
+        # one gradient at a time (a generator): the peak memory is the strategy's, not the filler's
+        write_grads(params, (torch.randn(p.shape, device=ctx.device, generator=g).mul_(1e-2)
+                             for p in params), getattr(current.get("s"), "grad_buffer", None))
+    return fill
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+WARMUP_STEPS, TIMED_STEPS = 5, 10
+
+
+@check("scape_vs_adams_step", 90, "SCAPE-99 step vs AdamS step, Llama-500M shapes, one GPU: time "
+       "(5 warm-up steps, then the median of 10), host syncs, launches, peak memory")
+def check_scape_step(ctx: Ctx) -> dict:
+    import torch
+
+    from scape_train.optim import build_optimizer
+    from scape_train.optim.config import OptimizerConfig
+    from scape_train.profiling import DeviceOpCounter
+
+    model = _llama500m(ctx)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    current: dict = {}
+    fill = _gradient_filler(ctx, params, current)
+    triton = "on" if ctx.cuda or os.environ.get("TRITON_INTERPRET") == "1" else "off"
+    out = {"params": n}
+    # on the CPU (the smoke) static_shapes counts what a GPU runs: the static-shape path
+    for name, kw in (("scape99", dict(name="scape", density=0.01, use_triton=triton,
+                                      static_shapes=not ctx.cuda)),
+                     ("adams", dict(name="adams"))):
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        strategy = current["s"] = build_optimizer(OptimizerConfig(clip_grad=1.0, **kw), model)
+        step = functools.partial(strategy.step, 1e-4)
+        # the first steps build SCAPE's first mask and compile the Triton kernels
+        res = {"warmup_s": ctx.step_times(step, WARMUP_STEPS, before=fill)}
+        times = ctx.step_times(step, 3 if ctx.smoke else TIMED_STEPS, before=fill)
+        res.update(median_s=statistics.median(times), min_s=min(times), max_s=max(times))
+        fill(99)
+        res["cuda_syncs_per_step"] = cuda_syncs(step)
+        fill(98)
+        with DeviceOpCounter() as ops:
+            step()
+        res.update(launches_per_step=ops.launches, counted_host_syncs_per_step=ops.host_syncs,
+                   bytes_per_param=ops.bytes_moved / n)
+        if ctx.cuda:
+            res["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        strategy.close()
+        out[name] = res
+        del strategy, step
+        current.clear()
+        for p in params:            # the flat buffer's views would keep it alive
+            p.grad = None
+    out["scape99_over_adams"] = out["scape99"]["median_s"] / out["adams"]["median_s"]
+    return out
+
+
+TRAIN_STEPS = 20
+
+
+TRAIN_RUNS = (("scape99", []), ("adams", ["optimizer=adams"]))
+
+
+def _train_overrides(ctx: Ctx, name: str, extra: list[str]) -> list[str]:
+    """llama500m_s99 (micro-batch 16, activation checkpointing) at the paper's 32k vocabulary and
+    sequence 4096, on the shipped text; SCAPE's density warm-up shortened to a quarter."""
+    steps = 4 if ctx.smoke else TRAIN_STEPS
+    overrides = ["+experiment=llama500m_s99", "data=classics", "data.seq_len=4096",
+                 "model.vocab_size=32000", f"trainer.max_steps={steps}", "trainer.warmup_steps=2",
+                 "trainer.log_every=5", "trainer.eval_every=0", "trainer.checkpoint_every=0",
+                 "trainer.global_batch_size=0", "trainer.sample_tokens=0", "eval.enabled=false",
+                 "logging.wandb.mode=disabled", "logging.progress_bar=false", "plan.check=off",
+                 f"optimizer.density_warmup_steps={max(1, steps // 4)}",
+                 f"run_dir={ctx.tmp / f'run_{name}'}", *extra]
+    if ctx.smoke:
+        toy = ["model=llama_tiny", "data.seq_len=64", "model.max_seq_len=64", "model.vocab_size=0",
+               "trainer.micro_batch_size=2", "trainer.device=cpu", "trainer.log_every=2"]
+        keys = {o.split("=")[0] for o in toy}
+        overrides = [o for o in overrides if o.split("=")[0] not in keys] + toy
+    return overrides
+
+
+def _logged_rows(path: Path) -> list[dict]:
+    """The complete lines of a metrics.jsonl being written."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
+def _train(ctx: Ctx, name: str, extra: list[str], limit_s: float) -> dict:
+    """One trainer run as a user starts it (``python -m scape_train``), stopped once its last
+    step is logged: nothing of the end-of-run checkpoint is written."""
+    steps = 4 if ctx.smoke else TRAIN_STEPS
+    overrides = _train_overrides(ctx, name, extra)
+    metrics = ctx.tmp / f"run_{name}" / "metrics.jsonl"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    log = open(ctx.tmp / f"train_{name}.log", "w+")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "scape_train", *overrides], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    rows: list[dict] = []
+    while proc.poll() is None and time.perf_counter() - t0 < limit_s:
+        rows = _logged_rows(metrics)
+        if any(r.get("step") == steps and "tokens_per_s" in r for r in rows):
+            break
+        time.sleep(0.2)
+    rows = _logged_rows(metrics)
+    done = any(r.get("step") == steps and "tokens_per_s" in r for r in rows)
+    if proc.poll() is None:
+        proc.kill()                 # SIGKILL: a SIGTERM would write the checkpoint we skip
+    proc.wait()
+    out = {"overrides": overrides, "wall_s": time.perf_counter() - t0, "completed": done}
+    if not done:
+        log.seek(0)
+        out["log_tail"] = log.read().strip().splitlines()[-20:]
+    logged = [r for r in rows if "tokens_per_s" in r]
+    if logged:
+        out["first_window"] = {k: logged[0].get(k) for k in ("step", "tokens_per_s", "mfu")}
+        steady = logged[1:] or logged          # the first window holds the warm-up
+        for key in ("tokens_per_s", "mfu", "step_time_s", "time/fwd_bwd_s", "time/optimizer_s",
+                    "time/data_s"):
+            vals = [r[key] for r in steady if key in r]
+            if vals:
+                out[key] = statistics.median(vals)
+        peaks = [r["mem/allocated_gib"] for r in logged if "mem/allocated_gib" in r]
+        out["max_memory_allocated_gib"] = max(peaks) if peaks else None
+    return out
+
+
+@check("train_throughput", 140, "llama500m_s99 at vocabulary 32k, sequence 4096, 20 steps: "
+       "tokens/s and MFU of SCAPE-99 and dense AdamS")
+def check_train(ctx: Ctx) -> dict:
+    # the first run trains the data's tokenizer too (cached for the second): 55% of the time
+    end = time.perf_counter() + ctx.limit_s - 5
+    return {name: _train(ctx, name, extra, (end - time.perf_counter()) * share)
+            for (name, extra), share in zip(TRAIN_RUNS, (0.55, 1.0))}
+
+
+@check("memory_plan", 40, "the memory plan of those two runs vs their max_memory_allocated")
+def check_plan(ctx: Ctx) -> dict:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from scape_train.config import register_configs, to_object
+    from scape_train.plan.check import device_for
+    from scape_train.plan.estimate import plan_memory
+
+    register_configs()
+    runs = ctx.results.get("train_throughput", {})
+    results = {}
+    for name, extra in TRAIN_RUNS:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            cfg = to_object(compose(config_name="config",
+                                    overrides=_train_overrides(ctx, name, extra)))
+        plan = plan_memory(cfg, 1, device_for(cfg.plan, 1, ctx.device.type, 0 if ctx.cuda else None),
+                           trace=True)
+        entry = {"estimate_gib": plan.peak / 2**30, "peak_phase": plan.peak_phase,
+                 "measured_gib": runs.get(name, {}).get("max_memory_allocated_gib"),
+                 "fits": plan.fits}
+        if entry["measured_gib"]:
+            entry["estimate_over_measured"] = entry["estimate_gib"] / entry["measured_gib"]
+        results[name] = entry
+    return results
+
+
+def _passes_agree(ctx: Ctx, steps: int = 3) -> dict:
+    """SCAPE's fused step with its Triton passes against the same step on torch ops: two copies of
+    a 2-layer Llama-500M, the same gradients. CUDA's torch ops fuse multiply-adds where the
+    kernels may round twice, so values agree to a tolerance, and a near-tie in top-k may pick
+    another index: the masks must agree almost everywhere, not bit for bit."""
+    import copy
+
+    import torch
+
+    from scape_train.optim import build_optimizer
+    from scape_train.optim.config import OptimizerConfig
+
+    model = _llama500m(ctx, n_layers=2)
+    runs = []
+    for use in ("on", "off"):
+        m = copy.deepcopy(model)
+        s = build_optimizer(OptimizerConfig(name="scape", density=0.01, clip_grad=1.0,
+                                            use_triton=use), m)
+        fill = _gradient_filler(ctx, list(m.parameters()), {"s": s})
+        for i in range(steps):
+            fill(1000 + i)
+            s.step(1e-4)
+        runs.append((torch.cat([p.detach().reshape(-1) for p in m.parameters()]),
+                     s.mask_cur.clone()))
+        s.close()
+        del s, m
+    (pa, ma), (pb, mb) = runs
+    rel = float((pa - pb).abs().max() / pb.abs().max())
+    agree = float((ma == mb).float().mean())
+    return {"steps": steps, "mask_agreement": agree, "params_max_rel_diff": rel,
+            "ok": agree >= 0.999 and rel <= 1e-5}
+
+
+@check("triton_vs_torch", 30, "compiled Triton kernels vs the torch ops: data movement bit for bit, "
+       "SCAPE's fused step to a tolerance")
+def check_triton(ctx: Ctx) -> dict:
+    import torch
+
+    from scape_train.optim.scape import kernels as K
+    from scape_train.optim.scape.payload import PayloadCodec
+
+    if not ctx.cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": "needs CUDA or TRITON_INTERPRET=1"}
+    n = 1 << 12 if ctx.smoke else 1 << 26
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    values = torch.randn(n + 3, device=ctx.device, generator=g)[3:]        # storage offset
+    mask = torch.rand(n, device=ctx.device, generator=g) < 0.01
+    count = int(mask.sum())
+    packed = {b: K.pack_bits(mask, backend=b) for b in ("torch", "triton")}
+    gath = {b: K.gather_masked(values, mask, backend=b, count=count) for b in ("torch", "triton")}
+    dst = {b: torch.zeros_like(values) for b in ("torch", "triton")}
+    for b in dst:
+        K.scatter_masked(gath["torch"], mask, dst[b], backend=b, count=count)
+    rows = values[: (n // 4) * 4].view(4, -1)
+    codecs = {b: PayloadCodec("fp8_e4m3", b) for b in ("torch", "triton")}
+    wire = {b: c.encode(rows) for b, c in codecs.items()}
+    exact = {"pack": torch.equal(packed["torch"], packed["triton"]),
+             "unpack": torch.equal(K.unpack_bits(packed["triton"], n, backend="triton"), mask),
+             "gather": torch.equal(gath["torch"], gath["triton"]),
+             "gather_packed": torch.equal(
+                 K.gather_masked_packed(values, packed["triton"], backend="triton"), gath["torch"]),
+             "scatter": torch.equal(dst["torch"], dst["triton"]),
+             "fp8_payload": torch.equal(wire["torch"], wire["triton"])}
+    out = {"numel": n, "exact": exact, "fused_step": _passes_agree(ctx, steps=2 if ctx.smoke else 3)}
+    for b in ("torch", "triton"):
+        out[f"gather_{b}_s"] = statistics.median(ctx.step_times(
+            lambda: K.gather_masked(values, mask, backend=b, count=count), 5))
+    out["syncs_gather_triton_with_count"] = cuda_syncs(
+        lambda: K.gather_masked(values, mask, backend="triton", count=count))
+    out["ok"] = all(exact.values()) and out["fused_step"]["ok"]
+    return out
+
+
+@check("offload", 15, "residual offload (pinned host memory, side stream, double buffer) = on device")
+def check_offload(ctx: Ctx) -> dict:
+    import torch
+
+    from scape_train.optim.scape.residual import ResidualStore
+
+    n = (1 << 27) + 5 if not ctx.smoke else 10_007
+    g = torch.Generator(device=ctx.device).manual_seed(1)
+    w0 = torch.randn(n, device=ctx.device, generator=g)
+    mask = torch.rand(n, device=ctx.device, generator=g) < 0.01
+    stores = {off: ResidualStore(n, ctx.device, off, 1 << 22) for off in (False, True)}
+    res = {}
+    for off, st in stores.items():
+        st.load(torch.randn(n, generator=torch.Generator().manual_seed(2)).to(ctx.device))
+        w = w0.clone()
+        sq = st.fold(w, mask)
+        res[off] = (w, st.full(), sq)
+    out = {"numel": n, "pinned": stores[True]._host.pinned,
+           "w_equal": torch.equal(res[False][0], res[True][0]),
+           "residual_equal": torch.equal(res[False][1], res[True][1])}
+    for off, st in stores.items():
+        out[f"fold_{'offload' if off else 'device'}_s"] = statistics.median(
+            ctx.step_times(lambda: st.fold(w0.clone(), mask), 3))
+    out["fold_bytes_per_s_offload"] = (n * 4 * 2) / out["fold_offload_s"]
+    return out
+
+
+@check("env", 10, "device, driver, torch/triton/NCCL versions")
+def check_env(ctx: Ctx) -> dict:
+    import torch
+
+    out = {"torch": torch.__version__, "cuda_available": ctx.cuda}
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    if ctx.cuda:
+        p = torch.cuda.get_device_properties(0)
+        out.update(name=p.name, capability=f"{p.major}.{p.minor}", memory_gib=p.total_memory / 2**30,
+                   sms=p.multi_processor_count, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                   devices=torch.cuda.device_count())
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem",
+                              "--format=csv,noheader"], capture_output=True, text=True)
+        out["nvidia_smi"] = smi.stdout.strip()
+    return out
+
+
+@check("overlap_trace", 60, "2 GPUs only: the mask all-gather in flight during the next fwd/bwd")
+def check_overlap(ctx: Ctx) -> dict:
+    import torch
+
+    if not ctx.cuda or torch.cuda.device_count() < 2:
+        return {"skipped": "needs 2 GPUs (NCCL refuses two ranks on one device)"}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
+           "SCAPE_TRACE_OUT": str(ctx.tmp)}          # the traces stay out of $OUT
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(REPO / "scripts" / "gpu_overlap.py")],
+                          cwd=REPO, env=env, capture_output=True, text=True)
+    out = {"returncode": proc.returncode, "stdout_tail": proc.stdout.strip().splitlines()[-10:]}
+    summary = ctx.tmp / "overlap_summary.json"
+    if summary.exists():
+        out.update(json.loads(summary.read_text()))
+    return out
