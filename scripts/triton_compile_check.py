@@ -119,11 +119,11 @@ def variants() -> list[tuple]:
                 {"BLOCK": tpl.BLOCK}))
     for name, fmt in tpl._FP8.items():
         out.append((tpl._fp8_encode_kernel, dict(x_ptr="*i32", out_ptr=U8, n=A, nblocks=A,
-                                                 row_bytes=A),
+                                                 tiles=A, row_bytes=A),
                     {**fmt, "HEADROOM": 8 if name == "fp8_e4m3" else 15,
                      "GROUPS": tpl.SCALE_GROUPS, "SCALE_BLOCK": tpl.SCALE_BLOCK}))
         out.append((tpl._fp8_decode_kernel, dict(b_ptr=U8, out_ptr="*i32", n=A, nblocks=A,
-                                                 row_stride=A),
+                                                 tiles=A, row_stride=A),
                     {**fmt, "GROUPS": tpl.SCALE_GROUPS, "SCALE_BLOCK": tpl.SCALE_BLOCK}))
     return out
 

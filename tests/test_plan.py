@@ -283,3 +283,19 @@ def test_gradients_sharing_one_storage_are_counted_once():
     meta = build_model(cfg.model, device="meta")
     assert fb.grads == sum(4 * p.numel() for p in meta.parameters() if p.requires_grad)
     assert fb.held_after >= 0
+
+
+def test_the_plan_of_a_run_with_a_dense_start_and_a_cooldown():
+    """The fused step's trace builds its strategy without the run's length: a cooldown (which
+    needs it) must not reach it, and the plan's largest payload is the phases' density 1."""
+    base = ["model.n_layers=2", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2",
+            "model.ffn_dim=512", "model.vocab_size=512", "model.max_seq_len=32",
+            "data.seq_len=32", "optimizer=scape", "optimizer.density=0.05",
+            "optimizer.density_warmup_steps=0", "trainer.max_steps=40"]
+    model = build_model(compose_config(base).model, device="meta")
+    steady = optimizer_memory(compose_config(base), model, 1, on_gpu=False)
+    phased = optimizer_memory(compose_config(base + ["optimizer.density_start_step=5",
+                                                     "optimizer.density_cooldown_steps=4"]),
+                              model, 1, on_gpu=False)
+    assert any("fused step" in what for what, _ in phased.state)
+    assert phased.step > steady.step        # the dense steps' payload and reference step
