@@ -331,9 +331,8 @@ def _host_rows(addr: int, rows: int, width: int) -> tuple[int, ...]:
 
 
 class TritonPasses:
-    """``scape_cpu.c``'s functions for tensors on ``device`` (see the module docstring)."""
-
-    on_device = True      # sums come back as device tensors; scape_adams takes coef as one
+    """The fused step's passes for tensors on ``device`` (see the module docstring); sums come
+    back as device tensors and ``scape_adams`` takes the clipping coefficient as one."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
