@@ -56,12 +56,16 @@ class Candidate:
     warmup: float = 0.1          # fractions of the run
     start: float = 0.0
     cooldown: float = 0.0
+    rank: int = 4                # PowerSGD's
 
     def overrides(self, steps: int) -> list[str]:
-        if self.optimizer != "scape":
+        if self.optimizer == "powersgd":
+            return ["optimizer=powersgd", f"optimizer.powersgd_rank={self.rank}"]
+        if self.optimizer not in ("scape", "topk_adamw"):
             return [f"optimizer={self.optimizer}"]
-        return ["optimizer=scape", f"optimizer.density={self.density:g}",
-                f"optimizer.payload_dtype={self.payload}",
+        # top-k AdamW sparsifies on the same density schedule; only SCAPE has a payload format
+        return [f"optimizer={self.optimizer}", f"optimizer.density={self.density:g}",
+                *([f"optimizer.payload_dtype={self.payload}"] if self.optimizer == "scape" else []),
                 f"optimizer.density_schedule={self.shape}",
                 f"optimizer.density_warmup_steps={round(self.warmup * steps)}",
                 f"optimizer.density_start_step={round(self.start * steps)}",
@@ -100,7 +104,18 @@ CANDIDATES = {c.name: c for c in [
     _s("s99_fp32_d03_now", "d 0.03, fp32 payload, no warm-up", 4e-3, density=0.03, warmup=0.0),
     _s("s99_fp8_d08_geo3", "d 0.08, fp8 payload, geometric 3%", 2e-3, density=0.08,
        payload="fp8_e4m3", warmup=0.03),
+    # the frontier (item 4): each family at its issue-13 best lr; SCAPE without a density
+    # warm-up at lr 2e-3 from d 0.05 up (the screens' best) and 4e-3 below (SCAPE-99's best)
+    _s("adamw", "dense AdamW", 2e-3, optimizer="adamw"),
+    _s("topk99", "top-k AdamW 99%, geometric 10%", 2e-3, optimizer="topk_adamw"),
+    _s("powersgd4", "PowerSGD rank 4", 1e-3, optimizer="powersgd"),
+    _s("scape90", "SCAPE-90 (fp32, geometric 10%)", 1e-3, density=0.1),
+    *(_s(f"f_{p}_d{round(d * 100):02d}", f"d {d:g}, {p} payload, no warm-up",
+         2e-3 if d >= 0.05 else 4e-3, density=d, payload=p, warmup=0.0)
+      for d in (0.1, 0.05, 0.02, 0.01) for p in ("fp32", "bf16", "fp8_e4m3")),
 ]}
+# frontier points that an earlier screen already ran under another name
+FRONTIER_ALIASES = {"f_fp8_e4m3_d10": "s99_fp8_d10_now", "f_bf16_d05": "s99_bf16_d05_now"}
 
 
 def run_id(c: Candidate, seed: int, steps: int) -> str:
