@@ -295,8 +295,9 @@ class Comm:
     def scalars(self, values) -> torch.Tensor:
         """Numbers and 0-d device tensors as one float64 tensor on ``device``, without reading
         any of them on the host."""
+        # a number is filled on the device: a tensor made from it would be copied, blocking
         return torch.cat([v.reshape(1).to(torch.float64) if isinstance(v, torch.Tensor)
-                          else torch.tensor([float(v)], dtype=torch.float64, device=self.device)
+                          else torch.full((1,), float(v), dtype=torch.float64, device=self.device)
                           for v in values])
 
     def reduce_scalars(self, values, *, op: str = "sum", kind: str = "control") -> torch.Tensor:

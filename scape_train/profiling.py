@@ -7,6 +7,15 @@ back before it can allocate. On the CPU none of these stall anything, which is w
 unnoticed until the first GPU run; counted at the dispatcher, they are visible on the CPU too, and
 a test can hold a step to a budget that NCCL training needs (see ``tests/test_nccl_rules.py``).
 
+A copy from host memory to the device stalls the host too, unless it is asynchronous from pinned
+memory. Two sites count: ``h2d_copy``, a copy from the host to a device that is blocking or reads
+pageable memory, and ``host_data``, a tensor built from Python or NumPy data (``torch.tensor``,
+``as_tensor``, ``from_numpy``: ``aten.lift_fresh``). On a GPU path such a tensor is either copied
+to the device (a blocking copy) or read on the host; on the CPU, where ``.to(device)`` is no copy
+at all, it is the only trace such a copy leaves. Tables meant for the host or for an asynchronous
+upload are built under :func:`host_tables` (``scape_train.host_to_device``) and counted apart, as
+``host_tables``.
+
 A kernel launch is counted as one dispatched ATen operator that computes (views, aliases and
 allocations are free); on CUDA each is at least one kernel, so the count compares code paths
 honestly even where it is not the exact kernel count.
@@ -28,7 +37,9 @@ a Triton launch also counts as one launch, in ``kernel_bytes``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 from collections import Counter
 
 import torch
@@ -59,6 +70,51 @@ _FREE_OPS = {
     aten.lift_fresh.default, aten.detach.default, aten.alias.default,
     aten._local_scalar_dense.default,
 }
+
+
+_HOST_TABLES = threading.local()
+# DeviceOpCounters in effect: Triton launchers report to them (they never reach the dispatcher)
+active_counters: list = []
+
+
+@contextlib.contextmanager
+def host_tables():
+    """Tensors built from host data in here are host tables, or uploaded asynchronously from
+    pinned memory (``scape_train.host_to_device``): not a stall, counted as ``host_tables``."""
+    depth = getattr(_HOST_TABLES, "depth", 0)
+    _HOST_TABLES.depth = depth + 1
+    try:
+        yield
+    finally:
+        _HOST_TABLES.depth = depth
+
+
+def _is_blocking_h2d(func, args, kwargs) -> bool:
+    """A copy from the host to a device that makes the host wait: blocking, or from pageable
+    memory (which the driver stages, and may synchronize the stream to do)."""
+    if func is aten._to_copy.default:
+        dst, src = kwargs.get("device"), args[0]
+        if dst is None or torch.device(dst).type == "cpu" or src.device.type != "cpu":
+            return False
+    elif func is aten.copy_.default:
+        src = args[1]
+        if args[0].device.type == "cpu" or src.device.type != "cpu":
+            return False
+    else:
+        return False
+    return not (kwargs.get("non_blocking") or (len(args) > 2 and args[2])) \
+        or not src.is_pinned()
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and this module: where a counted op was asked for."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/" not in name and not name.endswith("/profiling.py"):
+            return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
 
 
 def _in_torch_optim() -> bool:
@@ -143,7 +199,16 @@ class _Dispatch(TorchDispatchMode):
             if func is aten._local_scalar_dense.default and _in_torch_optim():
                 o.host_scalar_reads += 1
             else:
-                o.sync_sites[str(func.overloadpacket.__name__)] += 1
+                o.sync(str(func.overloadpacket.__name__))
+        elif func is aten.lift_fresh.default:
+            if getattr(_HOST_TABLES, "depth", 0):
+                o.host_tables += 1
+            elif _in_torch_optim():     # its host step counters (see _in_torch_optim)
+                o.host_scalar_reads += 1
+            else:
+                o.sync("host_data")
+        elif _is_blocking_h2d(func, args, kwargs):
+            o.sync("h2d_copy")
         if func not in _FREE_OPS and not func.is_view and func.namespace == "aten":
             o.launches += 1
             o.ops[str(func.overloadpacket.__name__)] += 1
@@ -160,38 +225,42 @@ class _Function(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SYNC_METHODS:
-            self.owner.sync_sites[getattr(func, "__name__", str(func))] += 1
+            self.owner.sync(getattr(func, "__name__", str(func)))
         return func(*args, **(kwargs or {}))
 
 
 class DeviceOpCounter:
     """Context manager counting host syncs and launches of the code run inside it."""
 
-    def __init__(self):
+    def __init__(self, trace: bool = False):
         self.sync_sites: Counter = Counter()
+        self.trace = trace
+        self.sync_lines: Counter = Counter()    # with ``trace``: "file:line site" -> count
         self.ops: Counter = Counter()
         self.launches = 0
         self.host_scalar_reads = 0
+        self.host_tables = 0        # tensors built from host data under ``host_tables()``
         self.bytes_moved = 0
         self.kernel_bytes: Counter = Counter()     # Triton kernels: name -> bytes
+
+    def sync(self, site: str) -> None:
+        self.sync_sites[site] += 1
+        if self.trace:
+            self.sync_lines[f"{_caller()} {site}"] += 1
 
     @property
     def host_syncs(self) -> int:
         return sum(self.sync_sites.values())
 
     def __enter__(self) -> "DeviceOpCounter":
-        from .optim.scape import traffic   # Triton launches count themselves: no torch op
-
         self._modes = [_Function(self), _Dispatch(self)]
         for m in self._modes:
             m.__enter__()
-        traffic.counters.append(self)
+        active_counters.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        from .optim.scape import traffic
-
-        traffic.counters.remove(self)
+        active_counters.remove(self)
         for m in reversed(self._modes):
             m.__exit__(*exc)
 

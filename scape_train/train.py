@@ -29,6 +29,7 @@ from scape_train import distributed as D
 from scape_train.checkpoint import CheckpointError, CheckpointManager, find_checkpoint
 from scape_train.checkpoint_layout import StateParts, trainer_parts
 from scape_train.config import Config, ConfigError, grad_accum_steps, validate
+from scape_train.host_to_device import upload
 from scape_train.metrics import (MetricsLogger, StepTimer, memory_metrics, peak_flops,
                                  plot_loss_curve, read_on_host)
 from scape_train.plan.check import check_memory
@@ -289,7 +290,7 @@ class Trainer:
         for micro in range(self.accum):
             with timer.phase("data"):
                 x, y = next(self.train_loader)
-                x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
+                x, y = upload(x, info.device), upload(y, info.device)   # through pinned memory
             with timer.phase("fwd_bwd"):
                 with strategy.sync_context(self.fwd_model, micro == self.accum - 1), self.autocast():
                     # the model computes its loss: it masks the padded vocab in place

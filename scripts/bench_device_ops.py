@@ -35,14 +35,20 @@ from scape_train.models.config import ModelConfig  # noqa: E402
 MODEL = ModelConfig(name="llama500m_structure", arch="llama", n_layers=16, d_model=64, n_heads=4,
                     n_kv_heads=2, ffn_dim=160, max_seq_len=64, vocab_size=512)
 
+# SCAPE as a CUDA device runs it: static shapes (the CPU's own path reads sizes on the host)
+_S = dict(name="scape", clip_grad=1.0, static_shapes=True)
 CONTENDERS = {
     "AdamW (DDP)": dict(name="adamw", clip_grad=1.0),
     "AdamS (DDP)": dict(name="adams", clip_grad=1.0),
-    "SCAPE-99 replicated": dict(name="scape", density=0.01, clip_grad=1.0),
-    "SCAPE-99 sharded (flat)": dict(name="scape", density=0.01, clip_grad=1.0, sharded=True,
-                                    partitioner="flat"),
-    "SCAPE-99 sharded (tensor)": dict(name="scape", density=0.01, clip_grad=1.0, sharded=True,
-                                      partitioner="tensor"),
+    "SCAPE-99 replicated": dict(_S, density=0.01),
+    "SCAPE-99 sharded (flat)": dict(_S, density=0.01, sharded=True, partitioner="flat"),
+    "SCAPE-99 sharded (tensor)": dict(_S, density=0.01, sharded=True, partitioner="tensor"),
+    # a new density, mask plan and tables every step of the counted window
+    "SCAPE-90 replicated, density warm-up": dict(_S, density=0.1, density_warmup_steps=6),
+    "SCAPE-90 sharded (flat), bf16, offload, warm-up": dict(
+        _S, density=0.1, density_warmup_steps=6, sharded=True, partitioner="flat",
+        payload_dtype="bf16", offload_residuals=True),
+    "SCAPE-99 replicated, fp8": dict(_S, density=0.01, payload_dtype="fp8_e4m3"),
 }
 
 
@@ -114,9 +120,11 @@ def write_table(docs: Path) -> None:
     runs.sort(key=lambda r: r["label"] != "before")
     lines = ["# Host syncs and kernel launches per optimizer step", "",
              "Counted, not timed: `scripts/bench_device_ops.py` (see its docstring). Host syncs "
-             "are reads the host must wait for on a GPU (`.item()`, `.tolist()`, data-dependent "
-             "output sizes such as boolean indexing); launches are computing ATen ops. Steps 3..N, "
-             "mean over ranks and steps.", ""]
+             "are what the host must wait for on a GPU: reads (`.item()`, `.tolist()`), "
+             "data-dependent output sizes such as boolean indexing, blocking host->device copies "
+             "and tensors built from host data in the step (`h2d_copy`, `host_data`); launches "
+             "are computing ATen ops and Triton kernels. Steps 3..N, mean over ranks and steps; "
+             "the warm-up rows change density at every one of them.", ""]
     for r in runs:
         lines += [f"## {r['label']}: {r['world']} gloo ranks, {r['model']} ({r['tensors']} "
                   f"tensors, {r['params']:,} parameters)", "",

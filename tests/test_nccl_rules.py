@@ -4,9 +4,11 @@
   and ``Comm`` refuses a tensor that is not on its group's device (NCCL refuses host tensors);
 - the step timer never synchronizes the device inside a step (that would wait for SCAPE's
   overlapped mask all-gather and stop the host from running ahead);
-- SCAPE's step and the dense step read nothing back from the device: their host-sync count, as
-  counted at the dispatcher (``scape_train.profiling``), is zero after the first step, and the
-  trainer's whole step makes exactly one (the loss / non-finite / stop agreement).
+- SCAPE's step and the dense step read nothing back from the device and copy nothing to it
+  blocking: their host-sync count, as counted at the dispatcher (``scape_train.profiling``: reads,
+  data-dependent sizes, blocking host->device copies, tensors built from host data), is zero
+  through a density warm-up, and the trainer's whole step makes exactly one (the loss /
+  non-finite / stop agreement).
 """
 
 from __future__ import annotations
@@ -103,14 +105,37 @@ SCAPE = dict(name="scape", density=0.1, density_warmup_steps=3, clip_grad=0.5)
                  marks=pytest.mark.slow),
     pytest.param({**SCAPE, "sharded": True, "partitioner": "flat", "payload_dtype": "bf16",
                   "mask_coding": "indices"}, marks=pytest.mark.slow),
+    {**SCAPE, "offload_residuals": True, "payload_dtype": "bf16"},
+    pytest.param({**SCAPE, "sharded": True, "partitioner": "tensor", "offload_residuals": True,
+                  "payload_dtype": "fp8_e4m3"}, marks=pytest.mark.slow),
     pytest.param(dict(name="adams", clip_grad=0.5), marks=pytest.mark.slow),
     pytest.param(dict(name="adamw", clip_grad=0.5), marks=pytest.mark.slow),
 ], ids=["scape-replicated", "scape-sharded-flat", "scape-sharded-tensor", "scape-fp8-ef",
-        "scape-sharded-bf16-indices", "adams", "adamw"])
+        "scape-sharded-bf16-indices", "scape-offload-bf16", "scape-sharded-offload-fp8",
+        "adams", "adamw"])
 def test_optimizer_step_reads_nothing_back_from_the_device(cfg_kw):
-    """Budget: 0 host syncs per step from step 2 on (step 1 builds M_1 synchronously)."""
+    """Budget: 0 host syncs per step, through a density warm-up (steps 1-3: a new density, a
+    new mask plan, new tables every step) and after it."""
     for rank_counts in run_distributed(_step_sync_worker, 3, (cfg_kw, 5)):
-        assert rank_counts[1:] == [{}] * 4, rank_counts
+        assert rank_counts == [{}] * 5, rank_counts
+
+
+def test_the_counter_sees_host_data_and_blocking_copies_to_a_device():
+    """What a CPU run cannot show by itself: a tensor made from host data inside a step (on a
+    GPU, a blocking copy follows), a blocking copy to another device (``meta`` stands in for
+    CUDA), and tables built through ``host_to_device``, counted apart."""
+    from scape_train.host_to_device import host_table, upload
+
+    with DeviceOpCounter() as ops:
+        torch.tensor([1.0, 2.0])
+        torch.ones(3).to("meta")
+        torch.ones(3).to("meta", non_blocking=True)    # pageable memory: still staged
+        torch.empty(2, device="meta").copy_(torch.ones(2))
+        host_table([1, 2, 3])
+        upload([4, 5], torch.device("cpu"))
+        torch.full((1,), 0.5)                          # a fill on the device: no copy
+    assert dict(ops.sync_sites) == {"host_data": 1, "h2d_copy": 3}, ops.sync_sites
+    assert ops.host_tables == 2
 
 
 @pytest.mark.parametrize("extra", [["optimizer=scape", "optimizer.density=0.1",
@@ -134,10 +159,11 @@ def test_trainer_step_makes_one_host_sync(tmp_path, tmp_path_factory, extra, mon
     try:
         per_step = []
         for _ in range(4):
-            with DeviceOpCounter() as ops:
+            with DeviceOpCounter(trace=True) as ops:
                 trainer.train_step(timer, stop)
             per_step.append(dict(ops.sync_sites))
+            where = dict(ops.sync_lines)
     finally:
         trainer.train_loader.close()
         trainer.strategy.close()
-    assert per_step[1:] == [{"tolist": 1}] * 3, per_step
+    assert per_step[1:] == [{"tolist": 1}] * 3, (per_step, where)

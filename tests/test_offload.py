@@ -35,7 +35,7 @@ def test_for_each_chunk_equals_whole_tensor(device: str, chunk_numel: int) -> No
     for grad in grads:
         _step_fn(grad, 0.9)(0, numel, whole)
         buf.for_each_chunk(_step_fn(grad, 0.9))
-    assert torch.equal(buf.host, whole.cpu())  # bit-identical, not merely close
+    assert torch.equal(buf.wait_host().host, whole.cpu())  # bit-identical, not merely close
 
 
 def test_cpu_chunks_are_views_and_cover_everything() -> None:
@@ -94,10 +94,19 @@ def test_cuda_pinned_overlap_and_read_only_pass() -> None:
     buf.for_each_chunk(lambda s, e, c: c.mul_(2).sin_().asin_().mul_(0.5))
     expect = torch.arange(numel, dtype=torch.float32, device="cuda")
     expect.mul_(2).sin_().asin_().mul_(0.5)
-    assert torch.equal(buf.host, expect.cpu())
+    assert torch.equal(buf.wait_host().host, expect.cpu())
 
     before = buf.host.clone()
     sums: list[torch.Tensor] = []
     buf.for_each_chunk(lambda s, e, c: sums.append(c.double().sum()), writeback=False)
-    assert torch.equal(buf.host, before)
+    assert torch.equal(buf.wait_host().host, before)
     assert torch.allclose(torch.stack(sums).sum().cpu(), before.double().sum())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pinned_host_memory_is_exactly_its_size() -> None:
+    """The caching host allocator behind ``pin_memory=True`` would round 600 MB up to 1 GiB."""
+    stats = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    buf = HostBuffer(150_000_001, device="cuda")
+    assert buf.host.is_pinned() and buf.host.untyped_storage().nbytes() == 600_000_004
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == stats

@@ -28,6 +28,7 @@ from scape_train.data.config import DataConfig
 from scape_train.data.packing import Packer
 from scape_train.data.sources import Cursor, DocStream, iter_val_texts, train_stream
 from scape_train.data.tokenizer import Tokenizer
+from scape_train.profiling import host_tables
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,8 @@ class TrainLoader:
                 raise item
             batch, state = item
         self._state = state
-        t = torch.from_numpy(batch)
+        with host_tables():     # host data the trainer uploads asynchronously (host_to_device)
+            t = torch.from_numpy(batch)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
     # ------------------------------------------------------------ state

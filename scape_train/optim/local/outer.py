@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from scape_train.comm import Comm
+from scape_train.host_to_device import pinned_zeros
 
 
 def outer_point(anchor: torch.Tensor, delta: torch.Tensor, eta: float) -> torch.Tensor:
@@ -56,8 +57,7 @@ class OuterState:
         def copy(p: torch.Tensor) -> torch.Tensor:
             if not on_cpu:
                 return p.detach().clone()
-            out = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
-            return out.copy_(p.detach())
+            return pinned_zeros(p.shape, p.dtype, pin).copy_(p.detach())
 
         self.anchor = [copy(p) for p in params]
         self.y_prev = [copy(p) for p in params]   # y_{-1} := theta_0

@@ -3,7 +3,7 @@
 A Triton kernel never reaches torch's dispatcher, so the counters would not see it. The caller
 computes the bytes the kernel reads and writes from its arguments (the same model of DRAM
 traffic as the aten ops: each element read or written once, caches and atomics' reads ignored)
-and :func:`launch` reports them, with one launch, to the counters in effect: ``traffic.counters``.
+and :func:`launch` reports them, with one launch, to the counters in effect: ``profiling.active_counters``.
 
 Under ``TRITON_INTERPRET=1`` the interpreter runs torch ops of its own around each launch
 (copying the arguments to and from host storages); they are hidden from the counters, as a GPU
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import traffic
+from ...profiling import active_counters
 
 
 def launch(kernel, grid: tuple, name: str, nbytes: int, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)``, reported to the active counters as ``name``."""
-    for counter in traffic.counters:
+    for counter in active_counters:
         counter.add_kernel(name, nbytes)
     run(kernel, grid, *args, **meta)
 

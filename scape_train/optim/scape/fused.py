@@ -42,6 +42,7 @@ import struct
 
 import torch
 
+from ...host_to_device import upload
 from . import passes, traffic
 from .masks import Mask
 from .replicated import ReplicatedScape, clip_coef
@@ -154,9 +155,10 @@ class _FusedMixin:
                         empty.append((seg.tensor, s0, s0 + seg.numel))
                     at += k
             dev = lay.device
-            offsets = (torch.repeat_interleave(torch.tensor(offs, dtype=torch.int64),
-                                               torch.tensor(reps, dtype=torch.int64),
-                                               output_size=at).to(dev)
+            # per segment on the host, per index on the device: a k-sized host vector would be
+            # a blocking copy of up to 8k bytes on every step of a density warm-up
+            offsets = (torch.repeat_interleave(upload(offs, dev), upload(reps, dev),
+                                               output_size=at)
                        if segs else torch.zeros(0, dtype=torch.int64, device=dev))
             plan = (segs, offsets, at, spans, empty)
             self._plans[key] = plan

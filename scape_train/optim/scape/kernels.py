@@ -27,7 +27,6 @@ from .checks import check_payload_count
 BACKENDS = ("auto", "torch", "triton")
 
 # Little-endian bit weights inside a byte: element j of a group of 8 is bit j.
-_SHIFTS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
 def nonzero_sorted(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -135,18 +134,23 @@ def _check_payload(payload: torch.Tensor, out: torch.Tensor, count: int | None) 
 # pure-torch path (reference semantics; also the CPU path)
 
 
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    # made on the device: a host-built constant would be a blocking copy on every call
+    return torch.arange(8, dtype=torch.uint8, device=device)
+
+
 def _pack_torch(mask: torch.Tensor) -> torch.Tensor:
     flat = mask.reshape(-1)
     n = flat.numel()
     padded = torch.zeros(packed_numel(n) * 8, dtype=torch.uint8, device=flat.device)
     padded[:n] = flat.to(torch.uint8)
-    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=flat.device)
+    shifts = _bit_shifts(flat.device)
     # distinct bits never carry, so a uint8 sum is an exact bitwise OR
     return (padded.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack_torch(packed: torch.Tensor, n: int) -> torch.Tensor:
-    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
+    shifts = _bit_shifts(packed.device)
     bits = (packed.unsqueeze(1) >> shifts) & 1
     return bits.reshape(-1)[:n].bool()
 
@@ -275,5 +279,5 @@ def popcount_packed(packed: torch.Tensor) -> int:
     """Number of set bits in a packed mask (padding bits are zero, so they do not count)."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
-    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
+    shifts = _bit_shifts(packed.device)
     return int(((packed.reshape(-1, 1) >> shifts) & 1).sum())

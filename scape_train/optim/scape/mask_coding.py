@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ...host_to_device import upload
 from .kernels import nonzero_sorted, pack_bits, packed_numel, resolve_backend, unpack_bits
 from .mask_format import (ALL, BITMAP, ELIAS_FANO, INDICES, MASK_CODINGS, SegCode, choose,
                           seg_code)
@@ -64,7 +65,7 @@ class _Group:
                          s.high_bytes])
             kcum += s.k
             hcum += s.high_bytes
-        t = torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 8)
+        t = upload(rows, device).reshape(-1, 8)
         (self.flat_start, self.k, self.kcum, self.width, self.low_bit, self.high_byte,
          self.hcum, self.high_bytes) = t.unbind(1)
 
@@ -114,7 +115,7 @@ def _ef_tables(plan: "MaskPlan", grp: "_Group", device: torch.device) -> dict:
         for a, f, n in fixed:
             srt[a:a + n] = torch.arange(f, f + n, device=device)
         # EF segments in the group are in the same (owner, segment) order as ``flat``
-        t["dest"] = torch.tensor(blocks, dtype=torch.int64, device=device)[seg] + within
+        t["dest"] = upload(blocks, device)[seg] + within
         t["sorted"] = srt
     plan._ef[key] = t
     return t

@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from ...host_to_device import pinned_zeros
+
 ChunkFn = Callable[[int, int, torch.Tensor], Any]
 
 
@@ -52,9 +54,10 @@ class HostBuffer:
         self.chunk_numel = int(chunk_numel)
         # Pinned (page-locked) memory is what makes non_blocking copies truly asynchronous.
         self.pinned = bool(pin) and self.device.type == "cuda"
-        self.host = torch.zeros(self.numel, dtype=dtype, pin_memory=self.pinned)
+        self.host = pinned_zeros(self.numel, dtype, pin=self.pinned)
         self._staging: list[torch.Tensor] | None = None
         self._copy_stream: torch.cuda.Stream | None = None
+        self._copied_back: torch.cuda.Event | None = None   # the last pass's last host write
 
     # ------------------------------------------------------------------------------------------
 
@@ -66,7 +69,8 @@ class HostBuffer:
     def for_each_chunk(self, fn: ChunkFn, writeback: bool = True) -> None:
         """Call ``fn(start, end, chunk)`` for every chunk; in-place changes reach ``host``.
 
-        ``writeback=False`` skips the device->host copies (for a read-only pass).
+        ``writeback=False`` skips the device->host copies (for a read-only pass). On CUDA it
+        returns once the work is queued: the host tensor is up to date after :meth:`wait_host`.
         """
         if self.device.type == "cpu":
             for start, end in self.chunks():
@@ -127,22 +131,31 @@ class HostBuffer:
                 device_to_host(len(ranges) - 1)
             else:
                 copy.wait_event(processed[-1])
-            # The host tensor is read by the CPU after we return: wait for the last copy, and make
-            # later work on the current stream (which may reuse the staging buffers) follow it.
+            # Later work on the current stream (which may reuse the staging buffers) follows the
+            # last copy. The host waits for it only where it reads or writes ``host`` itself
+            # (wait_host): waiting here would stall the host once per step, on every fold.
             done = torch.cuda.Event()
             done.record(copy)
             compute.wait_event(done)
-            done.synchronize()
+            self._copied_back = done
+
+    def wait_host(self) -> "HostBuffer":
+        """Wait until the copies queued by the last pass have reached ``host`` (CUDA): before
+        the host reads it (a checkpoint) or writes it (a load)."""
+        if self._copied_back is not None:
+            self._copied_back.synchronize()
+            self._copied_back = None
+        return self
 
     # ------------------------------------------------------------------------------------------
 
     def zero_(self) -> HostBuffer:
-        self.host.zero_()
+        self.wait_host().host.zero_()
         return self
 
     def state_dict(self) -> dict[str, Any]:
         """``{"host": tensor}``: plain tensors only, so ``torch.load(weights_only=True)`` works."""
-        return {"host": self.host}
+        return {"host": self.wait_host().host}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Copy a saved tensor into ``host`` (keeps this buffer's pinned memory and dtype)."""
@@ -155,7 +168,7 @@ class HostBuffer:
         if src.dtype != self.dtype:
             raise TypeError(f"HostBuffer.load_state_dict: saved dtype {src.dtype}, this buffer "
                             f"{self.dtype}; build the buffer with the saved dtype")
-        self.host.copy_(src.reshape(-1))
+        self.wait_host().host.copy_(src.reshape(-1))
 
     def __repr__(self) -> str:
         return (f"HostBuffer(numel={self.numel}, dtype={self.dtype}, device={self.device}, "

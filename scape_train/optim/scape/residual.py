@@ -123,14 +123,14 @@ class ResidualStore:
         """The residual itself, not copied: the device tensor, or the host buffer when offloaded
         (up to date between steps). Checkpoints write it as it is."""
         self._settle()
-        return self._host.host if self._host is not None else self._dev
+        return self._host.wait_host().host if self._host is not None else self._dev
 
     def load(self, flat: torch.Tensor) -> None:
         if flat.numel() != self.numel:
             raise ValueError(f"residual has {flat.numel()} elements, expected {self.numel}")
         self._deferred = None
         if self._host is not None:
-            self._host.host.copy_(flat.reshape(-1).cpu())
+            self._host.wait_host().host.copy_(flat.reshape(-1).cpu())
         else:
             self._dev.copy_(flat.reshape(-1))
 

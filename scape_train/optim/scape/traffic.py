@@ -2,7 +2,7 @@
 
 A Triton launch never reaches torch's dispatcher, so ``profiling.DeviceOpCounter`` cannot see it:
 each pass's bytes are computed from its arguments (:data:`TRAFFIC`, each element read or written
-once) and reported to the counters in effect (:data:`counters`) by :class:`Counted`.
+once) and reported to the counters in effect (``profiling.active_counters``) by :class:`Counted`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
+from ...host_to_device import host_table
+from ...profiling import active_counters
 
 def _i64s(address: int, n: int) -> list[int]:
     return list((ctypes.c_int64 * n).from_address(address)) if n else []
@@ -77,7 +80,6 @@ TRAFFIC = {
         16 * (_col_sum(stab, nseg, 8, 3) - _col_sum(stab, nseg, 8, 2))
         + 8 * _decayed(stab, nseg, 8, 5),
 }
-counters: list = []          # DeviceOpCounters in effect (profiling.py registers them)
 
 
 class Counted:
@@ -91,9 +93,9 @@ class Counted:
         fn, traffic = getattr(self._passes, name), TRAFFIC[name]
 
         def call(*args):
-            if counters:
+            if active_counters:
                 nbytes = traffic(*args)
-                for c in counters:
+                for c in active_counters:
                     c.add_kernel(name, nbytes)
             return fn(*args)
 
@@ -111,5 +113,5 @@ def ptr(t: torch.Tensor | None) -> int | None:
 
 def table(rows: list[list[int]], width: int) -> torch.Tensor:
     """An int64 table of ``width`` columns (kept alive by the caller across the call)."""
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, width) if rows else \
+    return host_table(rows).reshape(-1, width) if rows else \
         torch.zeros(0, width, dtype=torch.int64)

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...host_to_device import host_table, upload
 from . import traffic
 from .counted_launch import launch
 from .mask_format import ALL, BITMAP, ELIAS_FANO, INDICES, SegCode
@@ -181,7 +182,7 @@ class _Tasks:
         """The tasks of one segment's stream of ``nbits`` positions, ``step`` per task."""
         base = dict.fromkeys(_COLUMNS, 0) | cols | {"SRC": stream, "NBITS": nbits,
                                                    "FIRST": self.n}
-        rows = torch.tensor([base[c] for c in _COLUMNS], dtype=torch.int64).repeat(
+        rows = host_table([base[c] for c in _COLUMNS]).repeat(
             -(-nbits // step), 1)
         rows[:, _COLUMNS.index("B0")] = torch.arange(0, nbits, step)
         self.rows.append(rows)
@@ -190,7 +191,7 @@ class _Tasks:
     def table(self, device: torch.device) -> torch.Tensor:
         t = torch.cat(self.rows) if self.rows else torch.zeros(0, len(_COLUMNS),
                                                                dtype=torch.int64)
-        return t.to(device)
+        return upload(t, device)
 
 
 def _nbytes(tab: torch.Tensor) -> int:

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...host_to_device import host_table, upload
 from . import traffic
 from .counted_launch import run
 from .traffic import ONE_BITS
@@ -347,15 +348,13 @@ class TritonPasses:
             hit = self._tables[key] = build()
         return hit
 
-    def _dev(self, values: torch.Tensor) -> torch.Tensor:
-        # from pageable host memory: staged at once, no wait for the device's queue
-        return values.to(self.device, non_blocking=True)
+    def _dev(self, values) -> torch.Tensor:
+        return upload(values, self.device)
 
     def _table(self, addr: int, rows: int, width: int) -> tuple[tuple, torch.Tensor]:
         """A host table's contents and its device copy (cached by content)."""
         vals = _host_rows(addr, rows, width)
-        return vals, self._cached(("table", width, vals), lambda: self._dev(
-            torch.tensor(vals, dtype=torch.int64)))
+        return vals, self._cached(("table", width, vals), lambda: self._dev(list(vals)))
 
     def _blocks(self, starts: list[int], ends: list[int], block: int, with_end: bool
                 ) -> torch.Tensor:
@@ -363,8 +362,7 @@ class TritonPasses:
         with ``block`` elements each (cached by the ranges: they follow from the mask plan or
         the parameter sizes, not from the data)."""
         def build():
-            a = torch.tensor(starts, dtype=torch.int64)
-            b = torch.tensor(ends, dtype=torch.int64)
+            a, b = host_table(starts), host_table(ends)
             per = (b - a + block - 1).div(block, rounding_mode="floor").clamp_min(0)
             row = torch.repeat_interleave(torch.arange(len(starts)), per)
             first = torch.cumsum(per, 0) - per
@@ -445,7 +443,7 @@ class TritonPasses:
         """The prepare with m's support known, the payload and m gathered at M_t, m zeroed on
         its old support, as launches in a row; returns Σ c² off
         M_t."""
-        gtab, numels = traffic.table([[g, 0]], 2), torch.tensor([total], dtype=torch.int64)
+        gtab, numels = traffic.table([[g, 0]], 2), host_table([total])
         ptab = traffic.table([[g, 0, 0, kp]], 4)
         sq = self.scape_prepare_replicated(1, traffic.ptr(gtab), traffic.ptr(numels), e, m, pidx,
                                            kp, traffic.ptr(ptab), 1 if kp else 0, beta1, s)
@@ -459,7 +457,7 @@ class TritonPasses:
                            nrows, send, own_a, own_b, mc, rho_at, beta1, s):
         """The sharded prepare, the owner's m and ρ gathered at its entries (ρ then zeroed), m
         zeroed on its old support, the payload's rows taken, as launches in a row; returns Σ ε² of the new ε."""
-        gtab, numels = traffic.table([[g, 0]], 2), torch.tensor([total], dtype=torch.int64)
+        gtab, numels = traffic.table([[g, 0]], 2), host_table([total])
         sq = self.scape_prepare_sharded(1, traffic.ptr(gtab), traffic.ptr(numels), x, rho, m,
                                         pidx, kp, lo, hi, cand, beta1, s)
         n_own = own_b - own_a
@@ -525,7 +523,7 @@ class TritonPasses:
         if not sel:
             return
         dt = self._cached(("decay", tuple((r[0], r[col + 2]) for r in sel)), lambda: self._dev(
-            torch.tensor([[r[0], r[col + 2]] for r in sel], dtype=torch.int64).reshape(-1)))
+            [v for r in sel for v in (r[0], r[col + 2])]))
         blocks = self._blocks([r[col] for r in sel], [r[col + 1] for r in sel], FULL_BLOCK,
                               True)
         run(_decay_kernel, (blocks.numel() // 3,), blocks, dt, BLOCK=FULL_BLOCK, **_OPTS)
@@ -543,8 +541,8 @@ class TritonPasses:
         nblk = blocks.numel() // 2
         if not nblk:
             return
-        if not isinstance(coef, torch.Tensor):
-            coef = torch.tensor([coef], dtype=torch.float32, device=self.device)
+        if not isinstance(coef, torch.Tensor):     # filled on the device: no host copy
+            coef = torch.full((1,), coef, dtype=torch.float32, device=self.device)
         run(_adams_kernel, (nblk,), blocks, tt, idx, j0, base, ghat, m, out or 0, mc,
             coef.reshape(1).to(torch.float32), beta1, beta2, omb1, omb2,
             bc1, sqrt_bc2, eps, ns, CLIP=bool(clip), HAS_OUT=out is not None,
