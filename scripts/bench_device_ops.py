@@ -35,8 +35,7 @@ from scape_train.models.config import ModelConfig  # noqa: E402
 MODEL = ModelConfig(name="llama500m_structure", arch="llama", n_layers=16, d_model=64, n_heads=4,
                     n_kv_heads=2, ffn_dim=160, max_seq_len=64, vocab_size=512)
 
-# SCAPE as a CUDA device runs it: static shapes (the CPU's own path reads sizes on the host)
-_S = dict(name="scape", clip_grad=1.0, static_shapes=True)
+_S = dict(name="scape", clip_grad=1.0)
 CONTENDERS = {
     "AdamW (DDP)": dict(name="adamw", clip_grad=1.0),
     "AdamS (DDP)": dict(name="adams", clip_grad=1.0),
