@@ -107,7 +107,6 @@ class _FusedMixin:
         self.fast = False
         self._pidx: torch.Tensor | None = None      # previous mask's indices (m's support)
         self._idx: torch.Tensor | None = None
-        self.given_counts: list[list[int]] | None = None   # M_t's ones per segment
         self._plans: dict[tuple, tuple] = {}
         lay = self.layout
         by_wd: dict[float, list[int]] = {}
@@ -306,11 +305,11 @@ class _FusedMixin:
         theta_c.addcdiv_(m_new, denom, value=-step_size)
         return m_new
 
-    def _given(self, mask: Mask | None) -> torch.Tensor | None:
-        """M_t's indices from the decode when they hold the plan's ones (what
+    def _given(self, mask: Mask | None, counts: list[list[int]] | None
+               ) -> torch.Tensor | None:
+        """M_t's indices from the decode when they hold the ``counts`` ones (what
         ``mask.index`` will return to the update), for a prepare that walks them; else
         ``None``."""
-        counts = self.given_counts
         idx = None if mask is None else mask.indices
         if idx is None or counts is None or idx.numel() != sum(map(sum, counts)):
             return None
@@ -349,12 +348,13 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._cut = None                    # Σ_M c² from the kernels' payload gather
         self._payload = None                # (M_t's indices, c there, m there): the prepare's
 
-    def prepare(self, g, mask: Mask | None) -> torch.Tensor:
+    def prepare(self, g, mask: Mask | None, counts: list[list[int]] | None = None
+                ) -> torch.Tensor:
         """``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
         ``p.grad``, consumed: scaled in place), or the flat gradient on the reference path. The
         residual fold ``e = (1-M)⊙c`` happens in :meth:`finish_step`, after the top-k read ``c``."""
         if not self.fast:
-            return super().prepare(g, mask)
+            return super().prepare(g, mask, counts)
         beta1 = self.cfg.betas[0]
         # with m's support known, every branch writes e there before reading it: the previous
         # step's deferred fold (e[M] = 0, finish_step) is skipped, not applied
@@ -363,7 +363,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._c_sq, self._payload = None, None
         lib = self._passes(g)
         rows, gtab, numels = self._grad_table(g) if lib is not None else (0, None, None)
-        idx = self._given(mask)             # M_t's indices, when the decode gave them
+        idx = self._given(mask, counts)             # M_t's indices, when the decode gave them
         if self._pidx is not None and rows == 1 and idx is not None:
             # the two lines below, the payload gather and m's (m then zeroed on its support:
             # the update sets it at M_t from mc) in one walk of one flat gradient
@@ -507,11 +507,12 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self._x_sq: torch.Tensor | None = None   # Σ x² from the kernels' prepare
         self._taken = None                  # the payload's rows etc., taken by the prepare
 
-    def prepare(self, g, mask: Mask | None) -> torch.Tensor:
+    def prepare(self, g, mask: Mask | None, counts: list[list[int]] | None = None
+                ) -> torch.Tensor:
         """``ε ← x = (1-β1)·g + ε`` (``g``: per-tensor gradients, consumed), ``ρ ← base``;
         returns ``c^(o) = base + x`` on the own range."""
         if not self.fast:
-            return super().prepare(g, mask)
+            return super().prepare(g, mask, counts)
         beta1 = self.cfg.betas[0]
         eps_ = self.residual.tensor()
         lib = self._passes(g) if self._pidx is not None else None
@@ -520,9 +521,9 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             rows, gtab, numels = self._grad_table(g)
             p = self._pidx_own
             cand = torch.empty(self.hi - self.lo, dtype=torch.float32, device=eps_.device)
-            idx = self._given(mask)
+            idx = self._given(mask, counts)
             if rows == 1 and idx is not None:
-                self._taken = self._prepare_take(lib, g[0], eps_, cand, idx, self.given_counts)
+                self._taken = self._prepare_take(lib, g[0], eps_, cand, idx, counts)
                 self._x = eps_
                 return cand
             self._x_sq = lib.scape_prepare_sharded(

@@ -46,9 +46,11 @@ class ReplicatedScape:
         self._res_sq = torch.zeros((), dtype=torch.float64, device=dev)
 
     # -- line 1 (and 3) ------------------------------------------------------------------------
-    def prepare(self, g: torch.Tensor, mask: Mask | None) -> torch.Tensor:
+    def prepare(self, g: torch.Tensor, mask: Mask | None, counts=None) -> torch.Tensor:
         """Local candidate ``c``; folds the residual when ``mask`` is known. Returns ``c`` on the
-        owned range (the next-mask statistic)."""
+        owned range (the next-mask statistic). ``counts`` (M_t's ones per segment, as
+        :meth:`update` takes them) is part of the engines' common call; this step reads the
+        mask whole and does not need it."""
         beta1 = self.cfg.betas[0]
         c = torch.mul(self.m, beta1).add_(g, alpha=1.0 - beta1)
         self._res_sq = self.residual.fold(c, None if mask is None else mask.dense())

@@ -54,7 +54,9 @@ class ShardedScape:
         self._x: torch.Tensor | None = None
         self._res_sq = torch.zeros((), dtype=torch.float64, device=dev)
 
-    def prepare(self, g: torch.Tensor, mask: Mask | None) -> torch.Tensor:
+    def prepare(self, g: torch.Tensor, mask: Mask | None, counts=None) -> torch.Tensor:
+        """``x = (1-β1)·g``, the residual folded when ``mask`` is known; returns ``c^(o)``.
+        ``counts``: as in the replicated engine, not needed here."""
         x = torch.mul(g, 1.0 - self.cfg.betas[0])
         self._res_sq = self.residual.fold(x, None if mask is None else mask.dense())
         self._x = x

@@ -164,9 +164,7 @@ class ScapeStrategy(OptimizerStrategy):
         # the one wait: M_t, gathered during fwd/bwd, decoded to its indices (the fused engines
         # walk them; the reference engines make its bool tensor)
         mask = self._next()
-        if hasattr(self.engine, "given_counts"):   # fused: its ones per segment (host-known)
-            self.engine.given_counts = counts
-        stat = self.engine.prepare(g, mask)
+        stat = self.engine.prepare(g, mask, counts)
         if mask is None:                     # first step: build M_1 synchronously
             mask = self._first_mask(stat, self.density(t))
             self.engine.finish_residual(mask)
