@@ -236,22 +236,22 @@ def test_a_mask_of_indices_makes_its_bool_form_on_demand():
     m = Mask(11, indices=idx)
     assert torch.equal(m.dense(keep=False), want) and m._dense is None   # not kept
     bits = m.dense()
-    assert torch.equal(bits, want) and m.dense() is bits                 # kept until settled
-    m.settle()                             # 5 ones of 11: the indices (40 B) > the bools (11 B)
+    assert torch.equal(bits, want) and m.dense() is bits                 # kept until keep_one_form()
+    m.keep_one_form()                             # 5 ones of 11: the indices (40 B) > the bools (11 B)
     assert m.indices is None and m.dense() is bits
     assert torch.equal(m.index(5), idx)    # made again from the bool tensor
     sparse = Mask(100, indices=idx)
     sparse.dense()
-    sparse.settle()                        # 5 of 100: the indices are the smaller
+    sparse.keep_one_form()                        # 5 of 100: the indices are the smaller
     assert sparse._dense is None and sparse.indices is idx
     held = Mask.of(want)                   # a bool mask (the legacy coding, a checkpoint)
     assert Mask.of(held) is held and Mask.of(None) is None
     assert torch.equal(held.index(5), idx)
-    held.settle()           # indices made from it (the fused step holds them): they stay
+    held.keep_one_form()           # indices made from it (the fused step holds them): they stay
     assert held._dense is None and torch.equal(held.indices, idx)
     assert torch.equal(held.dense(), want)                              # made again on demand
     unread = Mask.of(want)
-    unread.settle()                        # nothing was made: the bool tensor as it is
+    unread.keep_one_form()                        # nothing was made: the bool tensor as it is
     assert unread.dense() is want and unread.indices is None
     with pytest.raises(ValueError, match="bool tensor or its indices"):
         Mask(11)

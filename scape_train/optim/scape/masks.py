@@ -113,7 +113,7 @@ class Mask:
     element), so no byte-per-element mask is held across steps. The bool form -- what the
     reference engines, checkpoints and the legacy ``bitmap`` coding use -- is made from the
     indices on demand by :meth:`dense`; at the end of each step the strategy keeps the smaller
-    of the two forms (:meth:`settle`)."""
+    of the two forms (:meth:`keep_one_form`)."""
 
     def __init__(self, total: int, *, dense: torch.Tensor | None = None,
                  indices: torch.Tensor | None = None, bits: torch.Tensor | None = None):
@@ -146,7 +146,7 @@ class Mask:
             self._dense, self._made = out, True
         return out
 
-    def settle(self) -> None:
+    def keep_one_form(self) -> None:
         """Keep one form between steps: the indices when the fused step walked them (its engine
         holds them anyway as m's support), when no bool tensor was made from them, or when they
         are the smaller (8 bytes per one against 1 per element: a mask under 1/8 dense); else

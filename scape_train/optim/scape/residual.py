@@ -42,18 +42,18 @@ class ResidualStore:
         support) before reading it, so the fold's pass is skipped there (:meth:`overwriting`);
         every other reader (checkpoints, state, tests, the reference path) gets it applied."""
         assert self._host is None, "the fused step does not run on an offloaded residual"
-        self._settle()
+        self._apply_deferred_zero()
         self._deferred = idx
 
     def overwriting(self, idx: torch.Tensor) -> torch.Tensor:
         """The residual, for a pass that writes ``e[idx]`` before reading it: a deferred zero at
         exactly ``idx`` is dropped (the pass overwrites it), any other is applied first."""
         if self._deferred is not idx:
-            self._settle()
+            self._apply_deferred_zero()
         self._deferred = None
         return self._dev
 
-    def _settle(self) -> None:
+    def _apply_deferred_zero(self) -> None:
         if self._deferred is not None:
             self._dev.index_fill_(0, self._deferred, 0.0)
             self._deferred = None
@@ -70,7 +70,7 @@ class ResidualStore:
         Returns ``||e_new||²`` as a float64 device tensor, not read on the host (0 when the mask
         was not given and ``e`` was only read).
         """
-        self._settle()
+        self._apply_deferred_zero()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
 
         def fn(s: int, e: int, chunk: torch.Tensor) -> None:
@@ -99,7 +99,7 @@ class ResidualStore:
         """``e[M] = values`` (compact, in mask order; ``count`` ones) where ``e`` is 0 on the mask
         (after :meth:`fold` / :meth:`set_from`): a low-precision payload's quantization error.
         Returns ``||values||²`` (float64 device tensor), what ``||e||²`` grows by."""
-        self._settle()
+        self._apply_deferred_zero()
         if self._host is None:
             scatter_masked(values, mask, self._dev, backend=backend, count=count)
         else:
@@ -114,7 +114,7 @@ class ResidualStore:
 
     def full(self) -> torch.Tensor:
         """A device copy of the whole residual (checkpoints, tests)."""
-        self._settle()
+        self._apply_deferred_zero()
         if self._host is not None:
             return self._host.host.to(self.device, copy=True)
         return self._dev.clone()
@@ -122,7 +122,7 @@ class ResidualStore:
     def tensor(self) -> torch.Tensor:
         """The residual itself, not copied: the device tensor, or the host buffer when offloaded
         (up to date between steps). Checkpoints write it as it is."""
-        self._settle()
+        self._apply_deferred_zero()
         return self._host.wait_host().host if self._host is not None else self._dev
 
     def load(self, flat: torch.Tensor) -> None:

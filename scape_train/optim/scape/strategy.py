@@ -190,7 +190,7 @@ class ScapeStrategy(OptimizerStrategy):
         metrics["scape/target_density"] = self.density(t)
         if prev is not None:  # temporal stability: ones of M_t that were already in M_{t-1}
             metrics["scape/mask_overlap"] = overlap(mask, prev, self.backend) / max(ones, 1.0)
-        mask.settle()         # one form of M_t between steps: its indices, or its bool tensor
+        mask.keep_one_form()   # one form of M_t between steps: its indices, or its bool tensor
         return metrics
 
     def _own_momentum(self) -> torch.Tensor:
