@@ -369,7 +369,13 @@ def check_offload(ctx: Ctx) -> dict:
         res[off] = (w, st.full(), sq)
     out = {"numel": n, "pinned": stores[True]._host.pinned,
            "w_equal": torch.equal(res[False][0], res[True][0]),
-           "residual_equal": torch.equal(res[False][1], res[True][1])}
+           "residual_equal": torch.equal(res[False][1], res[True][1]),
+           # registered at its size, not rounded up to a power of two by the caching allocator
+           "host_bytes_asked": 4 * n,
+           "host_bytes_pinned": stores[True]._host.host.untyped_storage().nbytes(),
+           "host_is_pinned": stores[True]._host.host.is_pinned(),
+           # the fold queues its copies and returns: no wait on the host
+           "fold_offload_cuda_syncs": cuda_syncs(lambda: stores[True].fold(w0.clone(), mask))}
     for off, st in stores.items():
         out[f"fold_{'offload' if off else 'device'}_s"] = statistics.median(
             ctx.step_times(lambda: st.fold(w0.clone(), mask), 3))
