@@ -55,11 +55,12 @@ from .sharded import ShardedScape
 FUSED_MAX_FRACTION = 0.5
 
 
-def _overlapped(handle, work) -> None:
-    """Run ``work`` (if any) while the collective behind ``handle`` is in flight, then wait."""
-    if work is not None:
-        work()
+def _overlapped(handle, work):
+    """Run ``work`` (if any) while the collective behind ``handle`` is in flight, then wait;
+    returns what ``work`` returned."""
+    done = None if work is None else work()
     handle.wait()
+    return done
 
 
 def _root(sq: torch.Tensor, cut=0.0) -> torch.Tensor:
@@ -401,9 +402,10 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         return e[lo:hi]
 
     def update(self, mask: Mask, lr: float, step: int, counts: list[list[int]],
-               during_payload=None) -> dict[str, float]:
+               during_payload=None) -> tuple[dict, object]:
         """The reference's update, O(k); ``during_payload`` (the next mask's top-k, which reads
-        the candidate only) runs while the payload's all-reduce is in flight."""
+        the candidate only) runs while the payload's all-reduce is in flight, and what it
+        returned comes back beside the metrics."""
         if not self.fast:
             return super().update(mask, lr, step, counts)
         cfg, c = self.cfg, self._c
@@ -417,8 +419,8 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         if lib is not None:
             return self._update_passes(lib, idx, k, counts, lr, step, during_payload)
         payload = c.index_select(0, idx)
-        _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
-                    during_payload)
+        overlapped = _overlapped(self.comm.all_reduce(payload, kind="payload", average=True,
+                                                      async_op=True), during_payload)
         m_c = self.m.index_select(0, idx)
         ghat_c = m_c.mul(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
         norm = torch.linalg.vector_norm(ghat_c)
@@ -437,10 +439,10 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._prev_local = mi
         self._idx, self._zero_pending = idx, True
         self._c = None
-        return {"grad_norm": norm, "scape/payload_numel": float(k)}
+        return {"grad_norm": norm, "scape/payload_numel": float(k)}, overlapped
 
     def _update_passes(self, lib, idx: torch.Tensor, k: int, counts: list[list[int]],
-                       lr: float, step: int, during_payload) -> dict[str, float]:
+                       lr: float, step: int, during_payload) -> tuple[dict, object]:
         """:meth:`update` with its O(k) passes in Triton: the payload (gathered by the
         prepare's walk when it could), ĝ and its norm, AdamS at the mask positions with the
         weight decay in its walk of θ, the momentum; the all-reduce as on the torch path."""
@@ -457,8 +459,8 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             self._cut = lib.scape_gather(k, traffic.ptr(idx), 0, traffic.ptr(c),
                                          traffic.ptr(payload))    # and Σ_M c², for the metric
             m_at, old_support = m, self._pidx                # ĝ's pass gathers m into mc
-        _overlapped(self.comm.all_reduce(payload, kind="payload", average=True, async_op=True),
-                    during_payload)
+        overlapped = _overlapped(self.comm.all_reduce(payload, kind="payload", average=True,
+                                                      async_op=True), during_payload)
         sq = lib.scape_ghat(k, traffic.ptr(idx), 0, traffic.ptr(payload), None,
                             traffic.ptr(m_at), traffic.ptr(mc), cfg.betas[0],
                             1.0 - cfg.betas[0])                  # payload becomes ĝ
@@ -472,7 +474,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._prev_local = mi
         self._idx, self._zero_pending = idx, True
         self._c = None
-        return {"grad_norm": norm, "scape/payload_numel": float(k)}
+        return {"grad_norm": norm, "scape/payload_numel": float(k)}, overlapped
 
     def finish_step(self) -> dict[str, torch.Tensor]:
         """After the next mask's top-k: ``e[M] ← 0`` (O(k)) and the residual-norm metric."""
@@ -565,7 +567,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         return idx, send, mc, rho_at, sq
 
     def update(self, mask: Mask, lr: float, step: int, seg_counts: list[list[int]],
-               during_payload=None) -> dict[str, float]:
+               during_payload=None) -> tuple[dict, object]:
         """The reference's update, O(k); ``during_payload`` runs while the payload's
         reduce-scatter is in flight (it reads the owner's candidate, a buffer of its own)."""
         if not self.fast:
@@ -591,8 +593,9 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             if k:
                 send[r, :k] = payload[starts[r]:starts[r] + k]
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
-        _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True,
-                                        async_op=True), during_payload)
+        overlapped = _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload",
+                                                     average=True, async_op=True),
+                                 during_payload)
         if self.record:
             self.last["reduced"] = recv[:counts[rank]].clone()
         k_own, s_own = counts[rank], starts[rank]
@@ -635,11 +638,11 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self._prev_local = mi
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(total),
-                "scape/residual_norm": res_sq.sqrt()}
+                "scape/residual_norm": res_sq.sqrt()}, overlapped
 
     def _update_passes(self, lib, idx: torch.Tensor, seg_counts: list[list[int]],
                        counts: list[int], starts: list[int], width: int, lr: float, step: int,
-                       during_payload) -> dict[str, float]:
+                       during_payload) -> tuple[dict, object]:
         """:meth:`update` with its O(k) passes in Triton (the payload gathered straight
         into the reduce-scatter's rows, by the prepare's walk when it could; ĝ and ρ's fold,
         AdamS into the shard, the parameters from the gathered shards with the weight decay in
@@ -664,8 +667,9 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
                                                traffic.ptr(x), traffic.ptr(send[r]))
             mc = torch.empty(k_own, dtype=torch.float32, device=x.device)  # old m at the mask
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
-        _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload", average=True,
-                                        async_op=True), during_payload)
+        overlapped = _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload",
+                                                     average=True, async_op=True),
+                                 during_payload)
         del send
         if rho_at is None:      # recv = ĝ; ρ = (1-M)⊙base; m gathered into mc
             sq = lib.scape_ghat(k_own, traffic.ptr(own), lo, traffic.ptr(recv),
@@ -707,7 +711,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         self._prev_local = mi
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(sum(counts)),
-                "scape/residual_norm": res}
+                "scape/residual_norm": res}, overlapped
 
     def _forget_support(self) -> None:
         self._pidx = self._pidx_own = None

@@ -64,10 +64,11 @@ class ReplicatedScape:
 
     # -- lines 2, 4-7 --------------------------------------------------------------------------
     def update(self, mask: Mask, lr: float, step: int, counts: list[list[int]],
-               during_payload=None) -> dict[str, float]:
+               during_payload=None) -> tuple[dict, None]:
         """``counts``: the mask's ones per segment of every rank, known on the host (the density
-        schedule), so that no size is read back from the device. ``during_payload``: work to
-        overlap with the payload's collective; this engine leaves it to the caller."""
+        schedule), so that no size is read back from the device. Returns the metrics and what
+        ``during_payload`` (work to overlap with the payload's collective) returned: ``None``
+        here, where it is not run (this engine overlaps nothing; the caller runs it after)."""
         bits = mask.dense()     # M_t's bool tensor: the reference reads the mask whole
         cfg, c = self.cfg, self._c
         assert c is not None, "prepare() first"
@@ -101,7 +102,7 @@ class ReplicatedScape:
                           bias_correction=cfg.bias_correction, mask=bits[a:b])
         self._c = None
         return {"grad_norm": norm, "scape/payload_numel": float(k),
-                "scape/residual_norm": self._res_sq.sqrt()}
+                "scape/residual_norm": self._res_sq.sqrt()}, None
 
     def select_path(self, k: int) -> bool:
         """Whether this step runs the fused O(k) path (never, here: the reference engine)."""

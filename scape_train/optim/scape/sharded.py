@@ -70,11 +70,11 @@ class ShardedScape:
         return torch.mul(self.m, self.cfg.betas[0]).add_(self.rho)
 
     def update(self, mask: Mask, lr: float, step: int, seg_counts: list[list[int]],
-               during_payload=None) -> dict[str, float]:
+               during_payload=None) -> tuple[dict, None]:
         """``seg_counts``: the mask's ones per segment of every rank, known on the host (the
         density schedule): every size below follows from it, none is read from the device.
-        ``during_payload``: work to overlap with the payload's collective; this engine leaves it
-        to the caller."""
+        Returns the metrics and what ``during_payload`` (work to overlap with the payload's
+        collective) returned: ``None`` here, where it is not run (the caller runs it after)."""
         bits = mask.dense()     # M_t's bool tensor: the reference reads the mask whole
         cfg, x, comm, lay = self.cfg, self._x, self.comm, self.layout
         assert x is not None, "prepare() first"
@@ -136,7 +136,7 @@ class ShardedScape:
             self._sync_params(bits, lr, counts, seg_counts, width)
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(payload.numel()),
-                "scape/residual_norm": self._res_sq.sqrt()}
+                "scape/residual_norm": self._res_sq.sqrt()}, None
 
     def _sync_params(self, mask: torch.Tensor, lr: float, counts: list[int],
                      seg_counts: list[list[int]], width: int) -> None:

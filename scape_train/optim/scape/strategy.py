@@ -12,6 +12,7 @@ synchronously (all ones, without communication, while the density is 1).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -34,18 +35,6 @@ from .sharded import ShardedScape
 
 _KERNEL_BACKEND = {"auto": "auto", "on": "triton", "off": "torch"}
 STATE_VERSION = 1
-
-
-class _RunOnce:
-    """A call made at most once; later calls return its result."""
-
-    def __init__(self, fn):
-        self._fn, self._done, self._result = fn, False, None
-
-    def __call__(self):
-        if not self._done:
-            self._result, self._done = self._fn(), True
-        return self._result
 
 
 class ScapeStrategy(OptimizerStrategy):
@@ -175,14 +164,17 @@ class ScapeStrategy(OptimizerStrategy):
             # a dense-phase step is data-parallel AdamS; the mask that starts the sparse phase is
             # the top-k of the averaged momentum m_t (spec §2 line 9, start step), read after
             # the update: every owner holds m_t on its segments
-            metrics = self.engine.update(mask, lr, t, counts)
+            metrics, _ = self.engine.update(mask, lr, t, counts)
             own_bits = topk_own_mask(self._own_momentum(), self.part, self.comm.rank,
                                      self.layout, d_next, self.host_reads)
         else:
-            next_topk = _RunOnce(lambda: topk_own_mask(stat, self.part, self.comm.rank,
-                                                       self.layout, d_next, self.host_reads))
-            metrics = self.engine.update(mask, lr, t, counts, during_payload=next_topk)
-            own_bits = next_topk()
+            next_topk = functools.partial(topk_own_mask, stat, self.part, self.comm.rank,
+                                          self.layout, d_next, self.host_reads)
+            # an engine that overlaps runs it during its payload's collective and returns its
+            # bits; the others return None and it runs here
+            metrics, own_bits = self.engine.update(mask, lr, t, counts, during_payload=next_topk)
+            if own_bits is None:
+                own_bits = next_topk()
         self._pending = self.exchange.start(own_bits, d_next, async_op=True)
         metrics.update(self.engine.finish_step())   # after the top-k has read the candidate
         self._cur, self.steps_done = mask, t
