@@ -3,22 +3,20 @@
 ``optimizer_memory(cfg, model, world, on_gpu)`` returns the device bytes each strategy holds for the
 whole run (its state), what it keeps in host memory instead, and the extra bytes at the peak of
 ``strategy.step()`` and of ``strategy.state_dict()`` (checkpoints). The steps are replayed from the
-code (``simulate.Replay``), so the temporaries alive together are the ones the code keeps together:
+code (``simulate.Replay``; SCAPE's step is traced from the code itself), so the temporaries
+alive together are the ones the code keeps together:
 
 - dense (``optim/dense.py``): AdamW 2 fp32 buffers (foreach: a sqrt(v) list per param group while it
   updates), AdamS 1 (``adams_update_`` builds v per tensor); under DDP (world > 1) the gradients are
   views of its buckets (``flat_grads``), held through the forward too like SCAPE's flat buffer
   (off: the buckets are a second copy of every gradient).
 - SCAPE (``optim/scape/``): replicated holds m and the residual e full size (e in host memory with
-  ``offload_residuals``) and the bool masks; sharded holds m and rho on its own flat range and e full
-  size. A step adds the flat gradient copy g (none with ``flat_grads``: the gradients are one
-  buffer, held through the forward too), the candidate c (sharded: x = (1-beta1) g), the
-  payload (k values: the mask's popcount, the largest at the first steps of a density warmup) and
-  the full-size ghat; on the torch kernel path (CPU, ``use_triton=off``) boolean indexing also
-  materialises int64 indices of the payload. That is the reference step, which runs while a
-  mask holds more than half the parameters (a density warm-up's start); below that the fused
-  step (``optim/scape/fused.py``) runs, and its state and step are traced from the code on fake
-  tensors (``plan/scape_step.py``) at the largest density it runs at.
+  ``offload_residuals``) and the masks; sharded holds m and rho on its own flat range and e full
+  size. Its step is traced from the code on fake tensors (``plan/scape_step.py``): the
+  reference step at the schedule's peak density (it runs while a mask holds more than half the
+  parameters, a density warm-up's start, and with ``scape_impl=reference``), and the fused step
+  (``optim/scape/fused.py``) at the largest density it runs at, with the index vectors and
+  decode tables it holds as state. Only the checkpoint's transients are replayed by hand.
 - DiLoCo / GASLoC (``optim/local/``): the inner optimizer's state plus theta0 and y_prev (in host
   memory with ``outer_state_on_cpu``); a round adds flat buffers (GASLoC: one per peer).
 """
@@ -119,18 +117,9 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
     # The largest payload: the schedule's peak density (a warm-up starts from dense).
     d = DensitySchedule.of(o, cfg.trainer.max_steps).peak()
 
-    def count(seg) -> int:
-        return seg.numel if lay.excluded[seg.tensor] else segment_k(seg.numel, d)
-
-    seg_counts = [[count(s) for s in segs] for segs in part.segments]
-    counts = [sum(c) for c in seg_counts]
-    k = sum(counts)
     rank = max(range(world), key=lambda r: part.ranges[r][1] - part.ranges[r][0])
     lo, hi = part.ranges[rank]
-    n_own, k_own = hi - lo, counts[rank]
-    torch_path = not on_gpu or o.use_triton == "off"
-    # torch path: nonzero_static's int64 indices, except for a full mask (gather = a copy)
-    index = ((lambda m, of: 0 if m == of else I64 * m) if torch_path else (lambda m, of: 0))
+    n_own = hi - lo
     from scape_train.optim.scape.mask_coding import MaskPlan
     from scape_train.optim.scape.masks import mask_counts
 
@@ -157,59 +146,11 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
 
     mem.grads_persistent = o.flat_grads
     mem.grads_transient = F32 * max(lay.numels) if o.flat_grads else 0
-    r = Replay()
-    if not o.flat_grads:            # else g is the flat gradient buffer itself
-        r.alloc(F32 * n, "flat gradient copy g")
-    _assemble_mask(r, part, in_flight)     # M_t: the in-flight packed gather becomes a bool mask
-    if not o.sharded:
-        r.alloc(F32 * n, "candidate c")
-        with r.temp(index(k, n), "payload gather"):
-            payload = r.alloc(F32 * k, "payload c[M]")
-        with r.temp(index(k, n), "ghat gather"):
-            ghat_c = r.alloc(F32 * k, "ghat[M]")
-        ghat = r.alloc(F32 * n, "full-size ghat")
-        r.spike(index(k, n), "scattering ghat")
-        r.spike(_adams_masked(o.bias_correction, lay.numels), "AdamS update (largest tensor)")
-        r.free(payload, ghat_c, ghat)
-        stat_bytes = 0                  # the statistic is a view of c
-    else:
-        r.alloc(F32 * n, "x = (1-beta1) g")
-        stat_bytes = r.alloc(F32 * n_own, "owner's candidate c^(o)")
-        width = max(1, max(counts))
-        with r.temp(index(k, n), "payload gather"):
-            payload = r.alloc(F32 * k, "payload x[M]")
-        send = r.alloc(F32 * world * width, "reduce-scatter send buffer")
-        recv = r.alloc(F32 * width, "reduce-scatter receive buffer")
-        base = r.alloc(F32 * n_own, "base = beta1 m + rho")
-        with r.temp(index(k_own, n_own), "base gather"):
-            r.spike(F32 * k_own, "base[M]")
-        with r.temp(index(k_own, n_own), "ghat gather"):
-            ghat_c = r.alloc(F32 * k_own, "ghat[M]")
-        r.spike(2 * I64 * k_own, "ghat norm in fp64")
-        r.free(base)                    # base becomes rho; the old rho (state) is freed
-        ghat = r.alloc(F32 * n_own, "owner's ghat")
-        r.spike(index(k_own, n_own), "scattering ghat")
-        r.spike(_adams_masked(o.bias_correction, [s.numel for s in part.segments[rank]] or [0]),
-                "AdamS update (largest segment)")
-        cat = r.alloc(F32 * n_own, "own parameters, flat")
-        with r.temp(index(k_own, n_own), "parameter gather"):
-            vals = r.alloc(F32 * k_own, "new parameter values at the mask")
-        r.free(cat)
-        shard = r.alloc(F32 * width, "parameter all-gather shard")
-        gathered = r.alloc(F32 * width * world, "parameter all-gather buffer")
-        r.spike(max((index(c, sg.numel) for segs, rc in zip(part.segments, seg_counts)
-                     for sg, c in zip(segs, rc)), default=0), "scattering gathered parameters")
-        r.free(payload, send, recv, ghat_c, ghat, vals, shard, gathered)
-    bits = r.alloc(n_own, "owner's next-mask bits")
-    cpu_topk = 0 if on_gpu else 16    # CPU topk sorts (value, int64 index) pairs of the whole slice
-    for seg, kk in zip(part.segments[rank], seg_counts[rank]):
-        if kk < seg.numel:
-            r.spike(F32 * seg.numel + (F32 + I64) * kk + cpu_topk * seg.numel, "top-k of |c| per segment")
-    r.spike(2 * n_own + packed_numel(n_own), "packing the next mask")
-    r.alloc(shard_bytes + in_flight, "next-mask all-gather buffers")
-    r.spike(n, "mask overlap metric")
-    r.free(bits, stat_bytes)
-    mem.step, mem.step_where = r.peak, r.where
+    # the reference step, traced from the code at the schedule's peak density (the fused path
+    # replaces it below wherever the run takes the fused step first)
+    from scape_train.plan.scape_step import trace_step
+    ref = trace_step(cfg, cfg.model, _plan_vocab(cfg), world, d, on_gpu, engine="reference")
+    mem.step, mem.step_where = ref.step, f"reference step at density {d:.3g}: {ref.where}"
     _fused_path(cfg, model, world, on_gpu, mem, n)
 
     ck = Replay()                       # state_dict(), in its order (scape/strategy.py)
@@ -262,7 +203,7 @@ def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: Op
     from scape_train.optim.scape.mask_coding import BITMAP, MaskPlan
     from scape_train.optim.scape.masks import mask_counts
     from scape_train.optim.scape.partition import ParamLayout, build_partition
-    from scape_train.plan.scape_step import trace_fused_step
+    from scape_train.plan.scape_step import trace_step
 
     o = cfg.optimizer
     lay = ParamLayout(model, weight_decay=o.weight_decay, exclude_norm_bias=o.exclude_norm_bias)
@@ -283,13 +224,12 @@ def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: Op
     # the Triton decode builds none
     torch_decode = not on_gpu or o.use_triton == "off"
     traced = densities[:1] + ([d for d in densities[1:] if per_one(d)][:1] if torch_decode else [])
-    # the model's vocabulary as the plan builds it (estimate.planned_vocab)
-    vocab = cfg.model.vocab_size or cfg.data.tokenizer.vocab_size
+    vocab = _plan_vocab(cfg)
     first = DensitySchedule.of(o, cfg.trainer.max_steps).at(1)
     state = sum(b for _, b in mem.state)
     held = 0
     for d in traced:
-        fused = trace_fused_step(cfg, cfg.model, vocab, world, d, on_gpu)
+        fused = trace_step(cfg, cfg.model, vocab, world, d, on_gpu)
         held = max(held, fused.held)
         step = fused.step + (max(0, fused.held - state)
                              if torch_decode and len(densities) > 1 else 0)
@@ -300,6 +240,11 @@ def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: Op
                           held - state))
 
 
+def _plan_vocab(cfg: Config) -> int:
+    """The model's vocabulary as the plan builds it (estimate.planned_vocab)."""
+    return cfg.model.vocab_size or cfg.data.tokenizer.vocab_size
+
+
 def _assemble_mask(r: Replay, part, in_flight: int) -> None:
     """``MaskExchange.assemble``: each owner's bits unpacked (uint8 shifts), then one bool cat."""
     pieces = 0
@@ -308,12 +253,6 @@ def _assemble_mask(r: Replay, part, in_flight: int) -> None:
         pieces += r.alloc(hi - lo, "unpacking the next mask")
     r.alloc(sum(hi - lo for lo, hi in part.ranges), "assembling the next mask")
     r.free(pieces, in_flight)
-
-
-def _adams_masked(bias_correction: str, numels: list[int]) -> int:
-    """adams_update_ with a mask: v (and m / bc1 for "official") plus ~mask, per tensor."""
-    per = (2 if bias_correction == "official" else 1) * F32 + 1
-    return per * max(numels)
 
 
 # -- top-k AdamW -----------------------------------------------------------------------------------

@@ -1,19 +1,19 @@
-"""The fused SCAPE step's memory, traced from the real code on fake tensors.
+"""The SCAPE step's memory, traced from the real code on fake tensors.
 
-The reference step (``optim/scape/replicated.py``, ``sharded.py``) is a fixed sequence of
-full-size buffers, replayed by hand in :mod:`.optimizer_memory`. The fused step
-(``optim/scape/fused.py``) is a long sequence of k-sized gathers, int64 index vectors and mask
-decode temporaries whose lifetimes follow Python's locals; a hand replay of it would drift from
-the code at every edit. So the plan runs the real :class:`ScapeStrategy` -- the rank owning the
-largest range of a ``world``-rank partition -- under ``FakeTensorMode`` (shapes, no data, no
-compute) with a :class:`PlanComm` whose collectives move nothing, and counts live storages with
-:class:`LiveBytes`. Three steps: the first builds M_1 synchronously and the fused engine's index
-plans, the second and third are the steady state the plan reports.
+The plan runs the real :class:`ScapeStrategy` -- the rank owning the largest range of a
+``world``-rank partition -- under ``FakeTensorMode`` (shapes, no data, no compute) with a
+:class:`PlanComm` whose collectives move nothing, and counts live storages with
+:class:`LiveBytes`, for either engine: the reference step (``optim/scape/replicated.py``,
+``sharded.py``: full-size buffers) and the fused step (``optim/scape/fused.py``: k-sized gathers,
+int64 index vectors and mask decode temporaries whose lifetimes follow Python's locals). A hand
+replay of either would drift from the code at every edit. Three steps: the first builds M_1
+synchronously (and the fused engine's index plans), the second and third are the steady state
+the plan reports.
 
 What a trace cannot see, it adds: CPU ``torch.topk`` sorts (value, int64 index) pairs of its
-whole input (16 bytes per element of workspace, as :mod:`.optimizer_memory` assumes for the
-reference step). The traced step runs the torch kernel path (``use_triton=off``) on a CPU fake
-device; on a GPU its figure is rounded to the CUDA allocator's blocks.
+whole input (16 bytes per element of workspace). The traced step runs the torch kernel path
+(``use_triton=off``) on a CPU fake device; on a GPU its figure is rounded to the CUDA
+allocator's blocks.
 
 Fake tensors also hold the code to its no-host-sync rule: a value read on the host in the step
 (``.item()``, ``.tolist()``, a data-dependent shape) fails the trace. It runs the static-shape
@@ -81,27 +81,27 @@ class _WithWorkspace(LiveBytes):
 
 
 @dataclass(frozen=True)
-class FusedStepMemory:
+class StepMemory:
     held: int           # bytes the strategy holds between steps (all its state)
     step: int           # extra bytes at the peak of a steady step, beyond ``held``
     where: str
     density: float      # the density traced
 
 
-def trace_fused_step(cfg, model_cfg, vocab_size: int, world: int, density: float,
-                     on_gpu: bool) -> FusedStepMemory:
-    """The fused step of ``cfg`` (an app config) at a constant ``density``, traced on the rank
-    owning the largest range of ``world``."""
+def trace_step(cfg, model_cfg, vocab_size: int, world: int, density: float, on_gpu: bool,
+               engine: str = "fused") -> StepMemory:
+    """The ``engine`` ("fused" or "reference") step of ``cfg`` (an app config) at a constant
+    ``density``, traced on the rank owning the largest range of ``world``."""
     from scape_train.models.build import resolve_config
 
     # the static-shape path a GPU runs: fake tensors have no values to read back
     o = dataclasses.replace(cfg.optimizer, density=density, density_warmup_steps=0,
                             density_start_step=0, density_cooldown_steps=0,
-                            scape_impl="fused", use_triton="off", static_shapes=True)
+                            scape_impl=engine, use_triton="off", static_shapes=True)
     return _trace(o, resolve_config(model_cfg, vocab_size), world, density, on_gpu)
 
 
-def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> FusedStepMemory:
+def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> StepMemory:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from scape_train.models.build import ARCHS
@@ -141,7 +141,8 @@ def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> FusedStepMe
                     for p in params:
                         p.grad = None
             held = tracker.live - tracker.by_category["params"] - grad_bytes
-            assert strategy.engine.fast, "the traced density does not select the fused path"
+            assert getattr(strategy.engine, "fast", False) == (o.scape_impl == "fused"), \
+                f"the traced density does not select the {o.scape_impl} path"
             strategy.close()
     step, where = peaks[-1]
-    return FusedStepMemory(held=held, step=step, where=where, density=density)
+    return StepMemory(held=held, step=step, where=where, density=density)
