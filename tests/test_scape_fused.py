@@ -105,23 +105,41 @@ def test_fused_default_and_invariants_one_worker():
     check_invariants([record_run(strategy, wrapped, 0, steps=4)], clip_active=False)
 
 
-def test_fused_falls_back_for_offload_and_low_precision():
-    for kw in (dict(offload_residuals=True, offload_chunk_numel=37), dict(payload_dtype="bf16")):
+def test_fused_falls_back_for_offload_and_a_sharded_low_precision_payload():
+    for kw in (dict(offload_residuals=True, offload_chunk_numel=37),
+               dict(payload_dtype="bf16", sharded=True)):
         s, _, _ = make(_cfg(**kw))
         assert not s.engine.can_fuse and not s.engine.select_path(1)
 
 
-def _dist_worker(rank, world, sharded, partitioner, coding):
-    return _pair_run(rank, sharded=sharded, partitioner=partitioner, mask_coding=coding)
+@pytest.mark.parametrize("payload", ["bf16", "fp8_e4m3"])
+def test_fused_takes_a_low_precision_payload_in_replicated_mode(payload):
+    """The quantization error lands in e[M] as the reference puts it there; the fused step
+    then forgets m's support (e is nonzero on it), so every step after takes its general
+    prepare."""
+    runs = _pair_run(0, payload_dtype=payload)
+    _compare(runs)
+    s, w, _ = make(_cfg(payload_dtype=payload))
+    for t in range(1, 6):
+        train_step(s, w, t, 0)
+    assert s.engine.fast and s.engine._pidx is None
+    s.close()
+
+
+def _dist_worker(rank, world, sharded, partitioner, coding, payload="fp32"):
+    return _pair_run(rank, sharded=sharded, partitioner=partitioner, mask_coding=coding,
+                     payload_dtype=payload)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,sharded,partitioner,coding", [
-    (2, False, "tensor", "auto"), (3, True, "flat", "elias_fano"),
-    pytest.param(4, True, "tensor", "auto", marks=pytest.mark.slow),
-    pytest.param(3, False, "flat", "elias_fano", marks=pytest.mark.slow)])
-def test_fused_equals_reference_distributed(world, sharded, partitioner, coding):
-    for runs in run_distributed(_dist_worker, world, (sharded, partitioner, coding)):
+@pytest.mark.parametrize("world,sharded,partitioner,coding,payload", [
+    (2, False, "tensor", "auto", "fp32"), (3, True, "flat", "elias_fano", "fp32"),
+    (3, False, "flat", "auto", "fp8_e4m3"),
+    pytest.param(4, True, "tensor", "auto", "fp32", marks=pytest.mark.slow),
+    pytest.param(3, False, "flat", "elias_fano", "fp32", marks=pytest.mark.slow),
+    pytest.param(2, False, "tensor", "indices", "bf16", marks=pytest.mark.slow)])
+def test_fused_equals_reference_distributed(world, sharded, partitioner, coding, payload):
+    for runs in run_distributed(_dist_worker, world, (sharded, partitioner, coding, payload)):
         _compare(runs)
 
 

@@ -45,6 +45,7 @@ import torch
 from ...host_to_device import upload
 from . import passes, traffic
 from .masks import Mask
+from .payload import all_reduce_mean
 from .replicated import ReplicatedScape, clip_coef
 from .sharded import ShardedScape
 
@@ -99,12 +100,19 @@ class _MaskIndex:
         return self._local
 
 
+def fuses(sharded: bool, low_precision_payload: bool, offload_residuals: bool) -> bool:
+    """Whether a configuration can take the O(k) step at all: not with an offloaded residual;
+    a low-precision payload in replicated mode only (its torch ops: the Triton passes and the
+    sharded engine move fp32 values)."""
+    return not offload_residuals and not (low_precision_payload and sharded)
+
+
 class _FusedMixin:
     """Shared by both fused engines: index plans, the AdamS math on k values, parameter IO."""
 
     def _init_fused(self) -> None:
         # what the fused path covers at all; select_path() decides per step
-        self.can_fuse = not self.codec.lowp and not self.cfg.offload_residuals
+        self.can_fuse = fuses(self.cfg.sharded, self.codec.lowp, self.cfg.offload_residuals)
         self.fast = False
         self._pidx: torch.Tensor | None = None      # previous mask's indices (m's support)
         self._idx: torch.Tensor | None = None
@@ -171,7 +179,7 @@ class _FusedMixin:
     def _passes(self, grads=None):
         """The Triton kernels (CUDA) for this step, or ``None`` (the CPU, ``use_triton=off``, a
         recording test step, a gradient that is not contiguous fp32: the torch ops below run)."""
-        if self.record:
+        if self.record or self.codec.lowp:
             return None
         if grads is not None and not all(g.dtype == torch.float32 and g.is_contiguous()
                                          for g in grads):
@@ -345,6 +353,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         super().__init__(*args, **kwargs)
         self._init_fused()
         self._zero_pending = False
+        self._wire_err: torch.Tensor | None = None   # a low-precision payload's error at M_t
         self._c_sq: torch.Tensor | None = None   # Σ c² from the kernels' prepare
         self._cut = None                    # Σ_M c² from the kernels' payload gather
         self._payload = None                # (M_t's indices, c there, m there): the prepare's
@@ -419,8 +428,17 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         if lib is not None:
             return self._update_passes(lib, idx, k, counts, lr, step, during_payload)
         payload = c.index_select(0, idx)
-        overlapped = _overlapped(self.comm.all_reduce(payload, kind="payload", average=True,
-                                                      async_op=True), during_payload)
+        if self.codec.lowp:
+            # the quantized mean is two blocking collectives; the next mask's top-k, which reads
+            # c only, runs before them. This rank's error goes into e[M] (finish_step).
+            overlapped = None if during_payload is None else during_payload()
+            payload, self._wire_err = all_reduce_mean(payload, self.comm, self.codec,
+                                                      kind="payload")
+            if self.record:
+                self.last["wire_error"] = self._wire_err.clone()
+        else:
+            overlapped = _overlapped(self.comm.all_reduce(payload, kind="payload", average=True,
+                                                          async_op=True), during_payload)
         m_c = self.m.index_select(0, idx)
         ghat_c = m_c.mul(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
         norm = torch.linalg.vector_norm(ghat_c)
@@ -484,6 +502,13 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         cut, self._cut = self._cut, None
         if self._zero_pending:
             self._zero_pending = False
+            if self._wire_err is not None:      # e[M] = the quantization error, not 0
+                e = self.residual.tensor()
+                e.index_copy_(0, self._idx, self._wire_err)
+                self._wire_err = None
+                # e is nonzero on m's support now: the next prepare must read it there
+                self._forget_support()
+                return {"scape/residual_norm": torch.linalg.vector_norm(e).double()}
             if c_sq is not None and cut is not None:
                 # ‖(1-M)⊙c‖² = Σ c² - Σ_M c² (the prepare's and the payload gather's sums, in
                 # double); the fold e[M] = 0 itself is deferred: the next prepare overwrites
