@@ -1,9 +1,7 @@
 """Moving data from the host to the device without making the host wait.
 
 Index tables: a table that follows from host-known sizes (a mask plan's segment offsets, a
-kernel's block list) is built once per plan on the host.
-A table that follows from host-known sizes (a mask plan's segment offsets, a kernel's block
-list) is built once per plan on the host. A plain ``.to(device)`` from pageable memory blocks
+kernel's block list) is built once per plan on the host. A plain ``.to(device)`` from pageable memory blocks
 the host (the driver stages it, and may synchronize the stream), so every upload goes through
 pinned memory with ``non_blocking=True``: the copy is queued behind the work already on the
 stream and the host runs on. The caching host allocator keeps the pinned block until the copy

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host syncs and kernel launches per optimizer step, counted: dense vs SCAPE replicated vs sharded.
 
-    .venv/bin/python scripts/bench_device_ops.py [--world 8] [--steps 6] [--label after]
+    .venv/bin/python scripts/bench_device_ops.py [--world 8] [--steps 8] [--label after]
 
 Counts are taken at the dispatcher by ``scape_train.profiling.DeviceOpCounter`` (what each count
 means is in its docstring) on real gloo ranks, over ``strategy.step`` with the gradients already
@@ -82,7 +82,7 @@ def _worker(rank, world, kw, steps):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--label", default="after")
     ap.add_argument("--docs", default=str(REPO / "docs"))
     args = ap.parse_args()

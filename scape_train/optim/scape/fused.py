@@ -373,7 +373,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         self._c_sq, self._payload = None, None
         lib = self._passes(g)
         rows, gtab, numels = self._grad_table(g) if lib is not None else (0, None, None)
-        idx = self._given(mask, counts)             # M_t's indices, when the decode gave them
+        idx = self._given(mask, counts)     # M_t's indices, when the decode gave them
         if self._pidx is not None and rows == 1 and idx is not None:
             # the two lines below, the payload gather and m's (m then zeroed on its support:
             # the update sets it at M_t from mc) in one walk of one flat gradient
