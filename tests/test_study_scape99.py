@@ -56,3 +56,25 @@ def test_the_report_keeps_the_search_and_the_frontier_apart(tmp_path):
     assert (tmp_path / "figures" / "frontier.png").stat().st_size > 0
     s99.write_outputs(RESULTS, tmp_path / "figures" / "scape99_search.json", report)
     assert report.read_text() == text                     # regenerated in place
+
+
+def test_a_scale_check_is_reported_apart_from_the_search(tmp_path):
+    def scaled(name, loss):
+        c = s99.CANDIDATES[name]
+        r = _run(name, 0, loss, 100)
+        return {**r, "id": s99.run_id(c, 0, s99.STEPS, "study_x5"), "shape": "study_x5",
+                "wall_s": 1.0, "val_loss": [[300, 5.0], [3000, loss]]}
+
+    big = [scaled("adams", 3.50), scaled("scape99", 3.90)]
+    results = {**RESULTS, **{r["id"]: r for r in big}}
+    assert len({r["id"] for r in big} | set(RESULTS)) == len(RESULTS) + 2   # ids kept apart
+    report = tmp_path / "quality.md"
+    report.write_text("# Quality\n")
+    s99.write_outputs(results, tmp_path / "figures" / "scape99_search.json", report)
+    text = report.read_text()
+    scale = text[text.index(s99.S_BEGIN):text.index(s99.S_END)]
+    assert "| `study_x5` | SCAPE-99 (fp32, geometric 10%) (`scape99`) | 0.004 | 3000 | 3.9000 | " \
+           "+0.4000 |" in scale
+    search = text[text.index(s99.BEGIN):text.index(s99.END)]
+    assert "3.9000" not in search and "3.5000" not in search    # the search's gaps are unmoved
+    assert (tmp_path / "figures" / "scape99_scale.png").stat().st_size > 0
