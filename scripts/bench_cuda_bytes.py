@@ -62,12 +62,14 @@ class PhaseBytes:
     def __init__(self, s, counter_of):
         self.b: dict[str, int] = defaultdict(int)
         self.counter_of = counter_of
+        engines = [e for e in (s.reference, s.fused) if e is not None]
         for owner, name, label in PHASES:
-            obj = s if owner == "s" else s.engine
-            if "." in name:
-                first, name = name.split(".")
-                obj = getattr(obj, first)
-            self._wrap(obj, name, label)
+            for obj in [s] if owner == "s" else engines:
+                attr = name
+                if "." in attr:
+                    first, attr = attr.split(".")
+                    obj = getattr(obj, first)
+                self._wrap(obj, attr, label)
 
     def _wrap(self, obj, name: str, label: str) -> None:
         fn = getattr(obj, name)

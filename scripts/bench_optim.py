@@ -93,13 +93,13 @@ class Phases:
 
     def __init__(self, s):
         self.t: dict[str, float] = defaultdict(float)
-        eng = s.engine
         self._wrap(s, "_flat_grads", "gradients: flat copy")
         self._wrap(s, "_grads", "gradients: flat copy")   # fused: views, ~0
         self._wrap(s, "_next", "mask wait + decode")
-        self._wrap(eng, "prepare", "candidate + residual (prepare)")
-        self._wrap(eng, "update", "payload, ĝ, clip, AdamS (update)")
-        self._wrap(eng, "finish_step", "residual fold + norm (finish_step)")
+        for eng in (e for e in (s.reference, s.fused) if e is not None):
+            self._wrap(eng, "prepare", "candidate + residual (prepare)")
+            self._wrap(eng, "update", "payload, ĝ, clip, AdamS (update)")
+            self._wrap(eng, "finish_step", "residual fold + norm (finish_step)")
         self._wrap(s.exchange, "start", "mask encode + gather start")
 
     def _wrap(self, obj, name: str, label: str) -> None:

@@ -22,7 +22,7 @@ def elementwise(layout, values: list[float]) -> torch.Tensor:
 
 def record_run(strategy, wrapped, rank: int, steps: int, lr: float = 1e-2) -> dict:
     """Train ``steps`` steps of replicated SCAPE, keeping everything the checks need."""
-    strategy.engine.record = True
+    strategy.keep_intermediates()
     lay = strategy.layout
     recs = []
     for t in range(1, steps + 1):
@@ -34,9 +34,9 @@ def record_run(strategy, wrapped, rank: int, steps: int, lr: float = 1e-2) -> di
         strategy.zero_grad()
         stats = strategy.comm.pop_stats()
         recs.append(dict(before=before, after=flat_params(wrapped), metrics=metrics, stats=stats,
-                         c=strategy.engine.last["c"], payload=strategy.engine.last["payload"],
-                         m_prev=strategy.engine.last["m_prev"], m=strategy.engine.m.clone(),
-                         e=strategy.engine.residual.full(), mask=strategy.mask_cur.clone(),
+                         c=strategy.last_engine.last["c"], payload=strategy.last_engine.last["payload"],
+                         m_prev=strategy.last_engine.last["m_prev"], m=strategy.reference.state.m.clone(),
+                         e=strategy.reference.state.residual.full(), mask=strategy.mask_cur.clone(),
                          next=strategy.next_mask().clone(), lr=lr))
     return dict(recs=recs, wd=elementwise(lay, lay.weight_decay),
                 segments=strategy.part.segments, ranges=strategy.part.ranges,

@@ -62,7 +62,7 @@ def _save(strategy, model, root: Path, rank: int, world: int, step: int = 3) -> 
 def _full(strategy) -> dict:
     """The strategy's whole state in memory (a collective in sharded mode: every rank calls it)."""
     if strategy.cfg.name == "scape":
-        full = strategy.engine.full_state()
+        full = strategy.reference.full_state()
         return {"momentum": full["momentum"],
                 "e": full["residual"] + full.get("shared_residual", 0.0),
                 "shared": full.get("shared_residual"), "mask": strategy.next_mask().clone()}

@@ -87,7 +87,7 @@ def phased_cfg(**kw) -> OptimizerConfig:
 
 
 def _full_residual(strategy) -> torch.Tensor:
-    full = strategy.engine.full_state()
+    full = strategy.reference.full_state()
     return full["residual"] + full.get("shared_residual", 0)
 
 
@@ -103,7 +103,7 @@ def _phases_worker(rank, world, sharded, impl):
         if t < cfg.density_start_step:
             train_step(dense, w_dense, t, rank)
         recs.append(dict(p=flat_params(w_scape), p_dense=flat_params(w_dense),
-                         m=scape.engine.full_state()["momentum"], e=_full_residual(scape),
+                         m=scape.reference.full_state()["momentum"], e=_full_residual(scape),
                          mask=scape.mask_cur.clone(), state=scape.state_dict()))
     # resume at each phase boundary: k steps, save, load into fresh objects, the rest
     resumed = {}

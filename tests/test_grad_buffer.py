@@ -64,7 +64,7 @@ def test_training_with_the_buffer_equals_training_without(impl, sharded):
                                               density_warmup_steps=3))
         for step in range(1, 7):
             train_step(strategy, wrapped, step, 0, micro=2)
-        runs.append((flat_params(model), strategy.engine.m.clone(), strategy.mask_cur.clone()))
+        runs.append((flat_params(model), strategy.reference.state.m.clone(), strategy.mask_cur.clone()))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -102,7 +102,7 @@ def test_the_prepare_reads_the_buffer_as_one_range():
     for flat, rows in ((True, 1), (False, None)):
         strategy, wrapped, model = make(scape(flat_grads=flat))
         loss_fn(wrapped, *batch(1, 0)).backward()
-        got, table, numels = strategy.engine._grad_table(strategy._grads())
+        got, table, numels = strategy.fused._grad_table(strategy._grads())
         assert got == (rows or len(list(model.parameters())))
         assert int(numels.sum()) == strategy.layout.total
         assert table.shape == (got, 2)

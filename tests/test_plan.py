@@ -168,7 +168,7 @@ def test_a_density_warmup_plans_its_largest_step_reference_or_fused():
     model = build_model(cfg.model, device="cpu")
     strategy = build_optimizer(cfg.optimizer, model)
     paths = []
-    peaks = _real_step_peaks(strategy, model, 10, after=lambda: paths.append(strategy.engine.fast))
+    peaks = _real_step_peaks(strategy, model, 10, after=lambda: paths.append((strategy.last_engine is strategy.fused)))
     replay = optimizer_memory(cfg, build_model(cfg.model, device="meta"), 1, on_gpu=False)
     assert paths[0] is False and paths[-1] is True, paths
     assert replay.step >= max(peaks[1:]), (peaks, replay.step, replay.step_where)

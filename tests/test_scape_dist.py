@@ -56,7 +56,7 @@ def _dense_equiv_worker(rank, world, clip, variant):
         md = train_step(dense, w_dense, t, rank)
         m_dense = torch.cat([dense.optimizer.state[p]["exp_avg"].reshape(-1)
                              for p in w_dense.module.parameters()])
-        out.append((flat_params(w_scape), flat_params(w_dense), scape.engine.m.clone(), m_dense,
+        out.append((flat_params(w_scape), flat_params(w_dense), scape.reference.state.m.clone(), m_dense,
                     ms["grad_norm"], md["grad_norm"]))
     scape.close()
     return out
@@ -93,8 +93,8 @@ def _sharded_worker(rank, world):
             # analytic bytes of the sharded step (M_t known on every rank)
             mask = sh.mask_cur
             width = max(1, max(int(mask[lo:hi].sum()) for lo, hi in sh.part.ranges))
-            full = sh.engine.full_state()
-            rep_full = rep.engine.full_state()
+            full = sh.reference.full_state()
+            rep_full = rep.reference.full_state()
             steps.append(dict(
                 p_rep=flat_params(w_rep), p_sh=flat_params(w_sh), mask_rep=rep.mask_cur.clone(),
                 mask_sh=mask.clone(), next_rep=rep.next_mask().clone(),
@@ -193,7 +193,7 @@ def test_exact_resume_and_offload(sharded):
         strategy.load_state_dict(state)
     assert any("residuals are reset" in str(w.message) for w in caught)
     assert strategy.steps_done == state["step"]
-    mom = strategy.engine.full_state()["momentum"]
+    mom = strategy.reference.full_state()["momentum"]
     expect = torch.cat([t.reshape(-1) for t in state["momentum"].values()])
     assert torch.equal(mom, expect)
 

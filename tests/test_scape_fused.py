@@ -43,7 +43,7 @@ def _pair_run(rank: int, steps: int = 6, **kw) -> list:
     for t in range(1, steps + 1):
         mr = train_step(ref, w_ref, t, rank)
         mf = train_step(fus, w_fus, t, rank)
-        sr, sf = ref.engine.full_state(), fus.engine.full_state()
+        sr, sf = ref.reference.full_state(), fus.reference.full_state()
         out.append(dict(p=(flat_params(w_ref), flat_params(w_fus)),
                         state={k: (sr[k], sf[k]) for k in sr},
                         mask=(ref.mask_cur.clone(), fus.mask_cur.clone()),
@@ -81,7 +81,7 @@ def test_decoded_indices_equal_the_mask(coding):
     _compare(_pair_run(0, mask_coding=coding, density_warmup_steps=0))
     s, w, _ = make(_cfg(mask_coding=coding, density_warmup_steps=0))
     seen = []
-    orig = s.engine.update
+    orig = s.fused.update
 
     def spy(mask, lr, step, counts, **kw):
         k = sum(map(sum, counts))
@@ -91,7 +91,7 @@ def test_decoded_indices_equal_the_mask(coding):
         assert mask.indices.numel() == k
         return out
 
-    s.engine.update = spy
+    s.fused.update = spy
     for t in range(1, 4):
         train_step(s, w, t, 0)
         assert s._cur._dense is None or coding == "bitmap"   # none kept past the step
@@ -109,7 +109,7 @@ def test_fused_falls_back_for_offload_and_a_sharded_low_precision_payload():
     for kw in (dict(offload_residuals=True, offload_chunk_numel=37),
                dict(payload_dtype="bf16", sharded=True)):
         s, _, _ = make(_cfg(**kw))
-        assert not s.engine.can_fuse and not s.engine.select_path(1)
+        assert s.fused is None
 
 
 @pytest.mark.parametrize("payload", ["bf16", "fp8_e4m3"])
@@ -122,7 +122,7 @@ def test_fused_takes_a_low_precision_payload_in_replicated_mode(payload):
     s, w, _ = make(_cfg(payload_dtype=payload))
     for t in range(1, 6):
         train_step(s, w, t, 0)
-    assert s.engine.fast and s.engine._pidx is None
+    assert (s.last_engine is s.fused) and s.fused._pidx is None
     s.close()
 
 
@@ -151,7 +151,7 @@ def test_a_density_warmup_starts_on_the_reference_path_and_switches_to_the_fused
     paths = []
     for t in range(1, 6):
         train_step(s, w, t, 0)
-        paths.append(s.engine.fast)
+        paths.append((s.last_engine is s.fused))
     s.close()
     assert paths[0] is False and paths[-1] is True, paths
 
@@ -186,7 +186,7 @@ def test_next_topk_runs_while_the_payload_collective_is_in_flight(sharded, use_t
     for t in range(1, 4):
         events.clear()
         train_step(s, w, t, 0)
-    assert s.engine.fast
+    assert (s.last_engine is s.fused)
     assert events == [("start", True), "top-k", "wait"]
 
 
@@ -198,7 +198,7 @@ def test_the_deferred_fold_is_skipped_by_the_next_prepare_and_applied_for_any_ot
     pytest.importorskip("triton")
     ref, w_ref, _ = make(_cfg(scape_impl="reference", density_warmup_steps=0))
     fus, w_fus, _ = make(_cfg(scape_impl="fused", density_warmup_steps=0, use_triton="on"))
-    store = fus.engine.residual
+    store = fus.reference.state.residual
     skipped = []
     overwriting = store.overwriting
     store.overwriting = lambda idx: (skipped.append(store._deferred is idx), overwriting(idx))[1]
@@ -212,7 +212,7 @@ def test_the_deferred_fold_is_skipped_by_the_next_prepare_and_applied_for_any_ot
     e = store.full()                            # a reader: the fold is applied
     assert store._deferred is None and not e[mask].any()
     _close(flat_params(w_ref), flat_params(w_fus))
-    sr, sf = ref.engine.full_state(), fus.engine.full_state()
+    sr, sf = ref.reference.full_state(), fus.reference.full_state()
     for k in sr:
         _close(sr[k], sf[k], msg=k)
 
@@ -240,7 +240,7 @@ def test_a_segment_without_ones_still_gets_its_weight_decay(sharded):
         s.load_state_dict(state)
         before = p.detach().clone()
         train_step(s, w, 3, 0)
-        assert impl == "reference" or s.engine.fast
+        assert impl == "reference" or (s.last_engine is s.fused)
         runs[impl] = (flat_params(w), p.detach().clone(), before)
         s.close()
     for impl, (_, p_new, before) in runs.items():     # the decay alone, bit for bit

@@ -160,7 +160,7 @@ def test_offload_equals_device_residual_one_worker():
         train_step(a, wa, t, 0)
         train_step(b, wb, t, 0)
     assert torch.equal(flat_params(wa), flat_params(wb))
-    assert torch.equal(a.engine.residual.full(), b.engine.residual.full())
+    assert torch.equal(a.reference.state.residual.full(), b.reference.state.residual.full())
 
 
 def test_state_dict_loads_with_weights_only_and_is_per_parameter():

@@ -32,9 +32,9 @@ def _cfg(use_triton: str, **kw) -> OptimizerConfig:
 def _run(cfg: OptimizerConfig, rank: int, steps: int) -> dict:
     s, w, _ = make(cfg)
     metrics = [train_step(s, w, t, rank) for t in range(1, steps + 1)]
-    state = {k: v.clone() for k, v in s.engine.full_state().items()}
+    state = {k: v.clone() for k, v in s.reference.full_state().items()}
     out = dict(p=flat_params(w), state=state, mask=s.mask_cur.clone(), metrics=metrics,
-               fast=s.engine.fast)
+               fast=(s.last_engine is s.fused))
     s.close()
     return out
 

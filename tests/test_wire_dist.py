@@ -46,7 +46,7 @@ def _codings_worker(rank, world):
             train_step(sh, w_sh, t, rank)
             p_sh.append(flat_params(w_sh))
         out[coding] = dict(rec=rec, p_sh=p_sh, mask_sh=sh.mask_cur.clone(),
-                           m_sh=sh.engine.full_state()["momentum"])
+                           m_sh=sh.reference.full_state()["momentum"])
         rep.close()
         sh.close()
     return out
@@ -84,28 +84,28 @@ def _lowp_worker(rank, world):
     out = {}
     for dtype in LOWP:
         rep, w_rep, _ = make(cfg_of(payload_dtype=dtype, mask_coding="auto"))
-        rep.engine.record = True
+        rep.keep_intermediates()
         recs = []
         for t in range(1, 5):
             before = flat_params(w_rep)
             train_step(rep, w_rep, t, rank)
-            last = rep.engine.last
+            last = rep.last_engine.last
             recs.append(dict(c=last["c"], payload=last["payload"], err=last["wire_error"],
-                             e=rep.engine.residual.full(), m=rep.engine.m.clone(),
+                             e=rep.reference.state.residual.full(), m=rep.reference.state.m.clone(),
                              mask=rep.mask_cur.clone(), next=rep.next_mask().clone(),
                              before=before, after=flat_params(w_rep)))
         sh, w_sh, _ = make(cfg_of(payload_dtype=dtype, mask_coding="elias_fano", sharded=True))
-        sh.engine.record = True
+        sh.keep_intermediates()
         srecs = []
         for t in range(1, 5):
             before = flat_params(w_sh)
             train_step(sh, w_sh, t, rank)
-            last = sh.engine.last
-            own = sh.mask_cur[sh.engine.lo:sh.engine.hi]
+            last = sh.last_engine.last
+            own = sh.mask_cur[sh.reference.lo:sh.reference.hi]
             srecs.append(dict(x=last["x"], reduced=last["reduced"], err=last["wire_error"],
-                              eps=sh.engine.residual.full(), mask=sh.mask_cur.clone(),
+                              eps=sh.reference.state.residual.full(), mask=sh.mask_cur.clone(),
                               target=last["update_target"], sent=last["update_sent"],
-                              u=sh.engine.update_residual[own].clone(),
+                              u=sh.reference.state.update_residual[own].clone(),
                               before=before, after=flat_params(w_sh)))
         lay = rep.layout
         out[dtype] = dict(recs=recs, srecs=srecs, wd=elementwise(lay, lay.weight_decay),

@@ -175,7 +175,7 @@ def test_triton_path_equals_torch_path_with_coded_masks_and_fp8():
             train_step(b, wb, t, 0)
         assert torch.equal(flat_params(wa), flat_params(wb))
         assert torch.equal(a.mask_cur, b.mask_cur)
-        assert torch.equal(a.engine.residual.full(), b.engine.residual.full())
+        assert torch.equal(a.reference.state.residual.full(), b.reference.state.residual.full())
 
 
 # -- payload codec --------------------------------------------------------------------------------

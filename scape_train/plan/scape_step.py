@@ -141,7 +141,7 @@ def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> StepMemory:
                     for p in params:
                         p.grad = None
             held = tracker.live - tracker.by_category["params"] - grad_bytes
-            assert getattr(strategy.engine, "fast", False) == (o.scape_impl == "fused"), \
+            assert (strategy.last_engine is strategy.fused) == (o.scape_impl == "fused"), \
                 f"the traced density does not select the {o.scape_impl} path"
             strategy.close()
     step, where = peaks[-1]

@@ -30,9 +30,10 @@ for the residual-norm metric taken on the way and returned on the device); elsew
 CPU, ``use_triton=off``, a recording test step -- the torch ops written out below, which are
 also what the kernels are tested against (tests/test_triton_passes.py).
 
-Falls back to the reference methods (same object, same state) for what it does not cover:
-low-precision payloads (their quantization error lands on the mask positions, so ``e_{t-1} = 0``
-on the previous mask no longer holds) and offloaded residuals (walked in host chunks).
+The engines work on the reference engine's state (:class:`.state.ScapeState`); the strategy
+runs the reference engine instead for what they do not cover (:func:`fuses`: offloaded residuals,
+walked in host chunks; a low-precision payload in sharded mode) and for steps at a density where
+the full-size passes are cheaper (:meth:`_FusedEngine.accepts`).
 """
 
 from __future__ import annotations
@@ -42,17 +43,20 @@ import struct
 
 import torch
 
+from scape_train.comm import Comm
 from ...host_to_device import upload
+from ..config import OptimizerConfig
 from . import passes, traffic
 from .masks import Mask
-from .payload import all_reduce_mean
-from .replicated import ReplicatedScape, clip_coef
-from .sharded import ShardedScape
+from .partition import ParamLayout, PartitionMap
+from .payload import PayloadCodec, all_reduce_mean
+from .replicated import clip_coef
+from .state import ScapeState
 
 
 # The fused path runs while the mask holds at most this fraction of the parameters (SCAPE's
 # densities are 0.01-0.1, plus the always-sent norm and bias tensors; a density warm-up starts
-# at 1): see _FusedMixin.select_path.
+# at 1): see _FusedEngine.accepts.
 FUSED_MAX_FRACTION = 0.5
 
 
@@ -107,13 +111,20 @@ def fuses(sharded: bool, low_precision_payload: bool, offload_residuals: bool) -
     return not offload_residuals and not (low_precision_payload and sharded)
 
 
-class _FusedMixin:
-    """Shared by both fused engines: index plans, the AdamS math on k values, parameter IO."""
+class _FusedEngine:
+    """Shared by both fused engines: index plans, the AdamS math on k values, parameter IO.
+    The engine works on the reference engine's :class:`ScapeState`; what it adds is m's
+    support (the previous mask's indices), which the reference step does not track: the
+    strategy calls :meth:`forget_support` whenever the state changes under another path."""
 
-    def _init_fused(self) -> None:
-        # what the fused path covers at all; select_path() decides per step
-        self.can_fuse = fuses(self.cfg.sharded, self.codec.lowp, self.cfg.offload_residuals)
-        self.fast = False
+    def __init__(self, state: ScapeState, layout: ParamLayout, part: PartitionMap,
+                 cfg: OptimizerConfig, comm: Comm, backend: str):
+        assert fuses(cfg.sharded, cfg.payload_dtype != "fp32", cfg.offload_residuals)
+        self.state, self.layout, self.part, self.cfg, self.comm, self.backend = \
+            state, layout, part, cfg, comm, backend
+        self.codec = PayloadCodec(cfg.payload_dtype, backend)
+        self.record = False          # tests: keep this step's intermediates in ``last``
+        self.last: dict[str, torch.Tensor] = {}
         self._pidx: torch.Tensor | None = None      # previous mask's indices (m's support)
         self._idx: torch.Tensor | None = None
         self._plans: dict[tuple, tuple] = {}
@@ -126,19 +137,25 @@ class _FusedMixin:
         self._numels = torch.tensor(lay.numels, dtype=torch.int64)   # for the kernels' prepare
         self._total_numel = torch.tensor([lay.total], dtype=torch.int64)
 
-    def select_path(self, k: int) -> bool:
-        """The fused path for a step whose mask has ``k`` ones, when it is the cheaper one: its
-        index-gathered temporaries (int64 indices, k-sized copies) cost ~12 words per one, more
-        memory and time than the reference's full-size passes once k nears numel -- the dense
-        start of a density warm-up. Leaving the fused path forgets m's support (the reference
-        step does not track it): the next fused step takes its general branch."""
-        self.fast = self.can_fuse and k <= FUSED_MAX_FRACTION * self.layout.total
-        if not self.fast:
-            self._forget_support()
-        return self.fast
+    def accepts(self, k: int) -> bool:
+        """Whether a step whose mask has ``k`` ones is cheaper here: the index-gathered
+        temporaries (int64 indices, k-sized copies) cost ~12 words per one, more memory and time
+        than the reference's full-size passes once k nears numel -- the dense start of a density
+        warm-up."""
+        return k <= FUSED_MAX_FRACTION * self.layout.total
 
-    def _forget_support(self) -> None:
+    def forget_support(self) -> None:
+        """m's support is unknown (another path ran, a checkpoint was loaded): the next step
+        takes the general branch, which reads m and e everywhere."""
         self._pidx = None
+
+    def finish_residual(self, mask: Mask) -> None:
+        """The reference's separate fold (first step): here update() and finish_step() fold."""
+
+    def finish_step(self) -> dict[str, torch.Tensor]:
+        """After the next mask's top-k: nothing left to do (the sharded step folded in its
+        update; the replicated one folds now)."""
+        return {}
 
     # -- plans: the mask's index ranges per segment, from the host-known counts --------------
     def _plan(self, counts: list[list[int]]) -> tuple:
@@ -184,7 +201,7 @@ class _FusedMixin:
         if grads is not None and not all(g.dtype == torch.float32 and g.is_contiguous()
                                          for g in grads):
             return None
-        return passes.lib(self.backend, self.m)
+        return passes.lib(self.backend, self.state.m)
 
     def _grad_table(self, grads: list[torch.Tensor]) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Where the prepare reads g: the number of rows, (pointer, flat offset) per row, the
@@ -333,25 +350,14 @@ class _FusedMixin:
         m.index_copy_(0, idx, m_new)
         self._pidx = idx
 
-    def finish_residual(self, mask: Mask) -> None:
-        """The reference path's residual fold; the fused path folds in its update."""
-        if not self.fast:
-            super().finish_residual(mask)
-
-    def load_range_state(self, momentum, shared, residual) -> None:
-        super().load_range_state(momentum, shared, residual)
-        self._forget_support()  # m's support unknown: the next step takes the general path
-
-    def finish_step(self) -> dict[str, torch.Tensor]:
-        return {}
 
 
-class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
+class FusedReplicatedScape(_FusedEngine):
     """Replicated mode (§2); the residual buffer holds ``c`` between prepare() and finish_step()."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_fused()
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._c: torch.Tensor | None = None
         self._zero_pending = False
         self._wire_err: torch.Tensor | None = None   # a low-precision payload's error at M_t
         self._c_sq: torch.Tensor | None = None   # Σ c² from the kernels' prepare
@@ -363,13 +369,11 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         """``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
         ``p.grad``, consumed: scaled in place), or the flat gradient on the reference path. The
         residual fold ``e = (1-M)⊙c`` happens in :meth:`finish_step`, after the top-k read ``c``."""
-        if not self.fast:
-            return super().prepare(g, mask, counts)
         beta1 = self.cfg.betas[0]
         # with m's support known, every branch writes e there before reading it: the previous
         # step's deferred fold (e[M] = 0, finish_step) is skipped, not applied
-        e = (self.residual.tensor() if self._pidx is None
-             else self.residual.overwriting(self._pidx))
+        e = (self.state.residual.tensor() if self._pidx is None
+             else self.state.residual.overwriting(self._pidx))
         self._c_sq, self._payload = None, None
         lib = self._passes(g)
         rows, gtab, numels = self._grad_table(g) if lib is not None else (0, None, None)
@@ -380,16 +384,16 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             payload, mc = (torch.empty(idx.numel(), dtype=torch.float32, device=e.device)
                            for _ in range(2))
             self._c_sq = lib.scape_prepare_gather(
-                self.layout.total, g[0].data_ptr(), traffic.ptr(e), traffic.ptr(self.m),
+                self.layout.total, g[0].data_ptr(), traffic.ptr(e), traffic.ptr(self.state.m),
                 traffic.ptr(self._pidx), self._pidx.numel(), traffic.ptr(idx), idx.numel(),
                 traffic.ptr(payload), traffic.ptr(mc), beta1, 1.0 - beta1)   # Σ c² off M_t
             self._cut, self._payload = 0.0, (idx, payload, mc)
         elif self._pidx is None and lib is not None:   # the general line below, in kernels
             self._c_sq = lib.scape_prepare_replicated_general(
-                rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(e), traffic.ptr(self.m),
+                rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(e), traffic.ptr(self.state.m),
                 beta1, 1.0 - beta1)
         elif self._pidx is None:        # m may be nonzero anywhere (first step, after a load)
-            w = torch._foreach_mul(self._views(self.m), beta1)
+            w = torch._foreach_mul(self._views(self.state.m), beta1)
             torch._foreach_add_(w, g, alpha=1.0 - beta1)
             torch._foreach_add_(self._views(e), w)
         elif lib is not None:           # the two lines below, in kernels
@@ -397,12 +401,12 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
             ptab = traffic.table([[g[t].data_ptr(), self.layout.offsets[t], a, b]
                                  for t, a, b in segs], 4)
             self._c_sq = lib.scape_prepare_replicated(
-                rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(e), traffic.ptr(self.m),
+                rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(e), traffic.ptr(self.state.m),
                 traffic.ptr(self._pidx), self._pidx.numel(), traffic.ptr(ptab), ptab.shape[0],
                 beta1, 1.0 - beta1)   # Σ c², for the metric
         else:                           # m and e_{t-1}: nonzero on disjoint sets
             pidx = self._pidx
-            c_p = self.m.index_select(0, pidx).mul_(beta1).add_(self._grads_at(g),
+            c_p = self.state.m.index_select(0, pidx).mul_(beta1).add_(self._grads_at(g),
                                                                 alpha=1.0 - beta1)
             self._add_scaled_grads(e, g)
             e.index_copy_(0, pidx, c_p)
@@ -415,13 +419,11 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         """The reference's update, O(k); ``during_payload`` (the next mask's top-k, which reads
         the candidate only) runs while the payload's all-reduce is in flight, and what it
         returned comes back beside the metrics."""
-        if not self.fast:
-            return super().update(mask, lr, step, counts)
         cfg, c = self.cfg, self._c
         assert c is not None, "prepare() first"
         beta1 = cfg.betas[0]
         if self.record:
-            self.last = {"c": c.clone(), "m_prev": self.m.clone()}
+            self.last = {"c": c.clone(), "m_prev": self.state.m.clone()}
         k = sum(map(sum, counts))
         idx = mask.index(k)
         lib = self._passes()
@@ -439,7 +441,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         else:
             overlapped = _overlapped(self.comm.all_reduce(payload, kind="payload", average=True,
                                                           async_op=True), during_payload)
-        m_c = self.m.index_select(0, idx)
+        m_c = self.state.m.index_select(0, idx)
         ghat_c = m_c.mul(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
         norm = torch.linalg.vector_norm(ghat_c)
         if cfg.clip_grad > 0:
@@ -453,7 +455,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         theta_c = self._gather_params(segs, local, 0, k)
         m_new = self._adams_k(m_c, ghat_c, theta_c, lr, step)
         self._scatter_params(segs, local, theta_c)
-        self._set_momentum(self.m, idx, m_new)
+        self._set_momentum(self.state.m, idx, m_new)
         self._prev_local = mi
         self._idx, self._zero_pending = idx, True
         self._c = None
@@ -464,7 +466,7 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
         """:meth:`update` with its O(k) passes in Triton: the payload (gathered by the
         prepare's walk when it could), ĝ and its norm, AdamS at the mask positions with the
         weight decay in its walk of θ, the momentum; the all-reduce as on the torch path."""
-        cfg, c, m = self.cfg, self._c, self.m
+        cfg, c, m = self.cfg, self._c, self.state.m
         gathered, self._payload = self._payload, None
         # the prepare's walk changed m (and e) for these indices: no other path may follow
         assert gathered is None or gathered[0] is idx, "the prepare walked other indices"
@@ -496,40 +498,39 @@ class FusedReplicatedScape(_FusedMixin, ReplicatedScape):
 
     def finish_step(self) -> dict[str, torch.Tensor]:
         """After the next mask's top-k: ``e[M] ← 0`` (O(k)) and the residual-norm metric."""
-        if not self.fast:
-            return {}
         c_sq, self._c_sq = self._c_sq, None
         cut, self._cut = self._cut, None
         if self._zero_pending:
             self._zero_pending = False
             if self._wire_err is not None:      # e[M] = the quantization error, not 0
-                e = self.residual.tensor()
+                e = self.state.residual.tensor()
                 e.index_copy_(0, self._idx, self._wire_err)
                 self._wire_err = None
                 # e is nonzero on m's support now: the next prepare must read it there
-                self._forget_support()
+                self.forget_support()
                 return {"scape/residual_norm": torch.linalg.vector_norm(e).double()}
             if c_sq is not None and cut is not None:
                 # ‖(1-M)⊙c‖² = Σ c² - Σ_M c² (the prepare's and the payload gather's sums, in
                 # double); the fold e[M] = 0 itself is deferred: the next prepare overwrites
                 # those positions (m's support), any other reader of e gets it applied
-                self.residual.defer_zero(self._idx)
+                self.state.residual.defer_zero(self._idx)
                 return {"scape/residual_norm": _root(c_sq, cut)}
-            self.residual.tensor().index_fill_(0, self._idx, 0.0)
-        return {"scape/residual_norm": torch.linalg.vector_norm(self.residual.tensor()).double()}
+            self.state.residual.tensor().index_fill_(0, self._idx, 0.0)
+        return {"scape/residual_norm": torch.linalg.vector_norm(self.state.residual.tensor()).double()}
 
-    def load_range_state(self, momentum, shared, residual) -> None:
-        super().load_range_state(momentum, shared, residual)
+    def forget_support(self) -> None:
+        super().forget_support()
         self._zero_pending = False
 
 
-class FusedShardedScape(_FusedMixin, ShardedScape):
+class FusedShardedScape(_FusedEngine):
     """Sharded mode (§3); ``ρ`` holds the owner's ``base = β1·m + ρ`` between prepare() and
     update(), the full-size ``ε`` holds ``x = (1-β1)·g + ε``."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_fused()
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.lo, self.hi = self.part.ranges[self.comm.rank]
+        self._x: torch.Tensor | None = None
         self._pidx_own: torch.Tensor | None = None
         self._x_sq: torch.Tensor | None = None   # Σ x² from the kernels' prepare
         self._taken = None                  # the payload's rows etc., taken by the prepare
@@ -538,10 +539,8 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
                 ) -> torch.Tensor:
         """``ε ← x = (1-β1)·g + ε`` (``g``: per-tensor gradients, consumed), ``ρ ← base``;
         returns ``c^(o) = base + x`` on the own range."""
-        if not self.fast:
-            return super().prepare(g, mask, counts)
         beta1 = self.cfg.betas[0]
-        eps_ = self.residual.tensor()
+        eps_ = self.state.residual.tensor()
         lib = self._passes(g) if self._pidx is not None else None
         self._x_sq, self._taken = None, None
         if lib is not None:            # ε ← x, ρ ← base and c^(o) = base + x^(o), in one pass
@@ -555,18 +554,18 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
                 return cand
             self._x_sq = lib.scape_prepare_sharded(
                 rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(eps_),
-                traffic.ptr(self.rho), traffic.ptr(self.m), traffic.ptr(p), p.numel(), self.lo,
+                traffic.ptr(self.state.rho), traffic.ptr(self.state.m), traffic.ptr(p), p.numel(), self.lo,
                 self.hi, traffic.ptr(cand), beta1, 1.0 - beta1)
             self._x = eps_
             return cand
         self._add_scaled_grads(eps_, g)                      # ε ← x
         if self._pidx is None:
-            self.rho = torch.mul(self.m, beta1).add_(self.rho)
+            self.state.rho = torch.mul(self.state.m, beta1).add_(self.state.rho)
         else:                                                # ρ = 0 where m may be nonzero
             p = self._pidx_own
-            self.rho.index_copy_(0, p, self.m.index_select(0, p).mul_(beta1))
+            self.state.rho.index_copy_(0, p, self.state.m.index_select(0, p).mul_(beta1))
         self._x = eps_
-        return torch.add(self.rho, eps_[self.lo:self.hi])    # base + x^(o) = c^(o)
+        return torch.add(self.state.rho, eps_[self.lo:self.hi])    # base + x^(o) = c^(o)
 
     def _prepare_take(self, lib, g: torch.Tensor, x: torch.Tensor, cand: torch.Tensor,
                       idx: torch.Tensor, seg_counts: list[list[int]]) -> tuple:
@@ -584,7 +583,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         mc, rho_at = (torch.empty(b - a, dtype=torch.float32, device=x.device) for _ in range(2))
         p = self._pidx_own
         sq = lib.scape_prepare_take(self.layout.total, g.data_ptr(), traffic.ptr(x),
-                                    traffic.ptr(self.rho), traffic.ptr(self.m), traffic.ptr(p),
+                                    traffic.ptr(self.state.rho), traffic.ptr(self.state.m), traffic.ptr(p),
                                     p.numel(), self.lo, self.hi, traffic.ptr(cand),
                                     traffic.ptr(idx), idx.numel(), traffic.ptr(rows),
                                     comm.world, traffic.ptr(send), a, b, traffic.ptr(mc),
@@ -595,8 +594,6 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
                during_payload=None) -> tuple[dict, object]:
         """The reference's update, O(k); ``during_payload`` runs while the payload's
         reduce-scatter is in flight (it reads the owner's candidate, a buffer of its own)."""
-        if not self.fast:
-            return super().update(mask, lr, step, seg_counts)
         cfg, x, comm = self.cfg, self._x, self.comm
         assert x is not None, "prepare() first"
         beta1 = cfg.betas[0]
@@ -625,15 +622,15 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
             self.last["reduced"] = recv[:counts[rank]].clone()
         k_own, s_own = counts[rank], starts[rank]
         own_idx = idx[s_own:s_own + k_own] - self.lo
-        b_c = recv[:k_own].add_(self.rho.index_select(0, own_idx))
-        m_c = self.m.index_select(0, own_idx)
+        b_c = recv[:k_own].add_(self.state.rho.index_select(0, own_idx))
+        m_c = self.state.m.index_select(0, own_idx)
         ghat_c = m_c.mul(-beta1).add_(b_c).div_(1.0 - beta1)
         sq = ghat_c.double().square().sum().float().reshape(1)
         comm.all_reduce(sq, kind="norm", average=False)
         norm = sq.sqrt()[0]
         if cfg.clip_grad > 0:
             ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
-        self.rho.index_fill_(0, own_idx, 0.0)                # ρ = (1-M)⊙base
+        self.state.rho.index_fill_(0, own_idx, 0.0)                # ρ = (1-M)⊙base
         x.index_fill_(0, idx, 0.0)                           # ε = (1-M)⊙x
         res_sq = torch.linalg.vector_norm(x).double().square()
         mi = self._index(idx, seg_counts)
@@ -655,10 +652,10 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
 
         self._scatter_params(segs, local, gathered, value_at)
         if self._pidx is None:
-            self.m.zero_()
+            self.state.m.zero_()
         else:
-            self.m.index_fill_(0, self._pidx_own, 0.0)
-        self.m.index_copy_(0, own_idx, m_new)
+            self.state.m.index_fill_(0, self._pidx_own, 0.0)
+        self.state.m.index_copy_(0, own_idx, m_new)
         self._pidx, self._pidx_own = idx, own_idx
         self._prev_local = mi
         self._x = None
@@ -672,7 +669,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         into the reduce-scatter's rows, by the prepare's walk when it could; ĝ and ρ's fold,
         AdamS into the shard, the parameters from the gathered shards with the weight decay in
         the same walk of θ, the momentum); the collectives as in torch."""
-        cfg, x, comm, m = self.cfg, self._x, self.comm, self.m
+        cfg, x, comm, m = self.cfg, self._x, self.comm, self.state.m
         world, rank, lo = comm.world, comm.rank, self.lo
         taken, self._taken = self._taken, None
         k_own, s_own = counts[rank], starts[rank]
@@ -698,7 +695,7 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         del send
         if rho_at is None:      # recv = ĝ; ρ = (1-M)⊙base; m gathered into mc
             sq = lib.scape_ghat(k_own, traffic.ptr(own), lo, traffic.ptr(recv),
-                                traffic.ptr(self.rho), traffic.ptr(m), traffic.ptr(mc),
+                                traffic.ptr(self.state.rho), traffic.ptr(m), traffic.ptr(mc),
                                 cfg.betas[0], 1.0 - cfg.betas[0])
         else:                   # b̄ + ρ (the ĝ pass's first add), then ĝ from mc
             recv[:k_own].add_(rho_at)
@@ -738,5 +735,5 @@ class FusedShardedScape(_FusedMixin, ShardedScape):
         return {"grad_norm": norm, "scape/payload_numel": float(sum(counts)),
                 "scape/residual_norm": res}, overlapped
 
-    def _forget_support(self) -> None:
+    def forget_support(self) -> None:
         self._pidx = self._pidx_own = None

@@ -23,6 +23,7 @@ from .masks import Mask
 from .partition import ParamLayout, PartitionMap
 from .payload import PayloadCodec, all_reduce_mean
 from .residual import ResidualStore
+from .state import ScapeState
 
 
 def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -37,8 +38,9 @@ class ReplicatedScape:
                  backend: str):
         self.layout, self.part, self.cfg, self.comm, self.backend = layout, part, cfg, comm, backend
         dev, n = layout.device, layout.total
-        self.m = torch.zeros(n, dtype=torch.float32, device=dev)
-        self.residual = ResidualStore(n, dev, cfg.offload_residuals, cfg.offload_chunk_numel)
+        self.state = ScapeState(
+            m=torch.zeros(n, dtype=torch.float32, device=dev),
+            residual=ResidualStore(n, dev, cfg.offload_residuals, cfg.offload_chunk_numel))
         self.codec = PayloadCodec(cfg.payload_dtype, backend)
         self.record = False          # tests: keep this step's candidate in ``last``
         self.last: dict[str, torch.Tensor] = {}
@@ -52,15 +54,15 @@ class ReplicatedScape:
         :meth:`update` takes them) is part of the engines' common call; this step reads the
         mask whole and does not need it."""
         beta1 = self.cfg.betas[0]
-        c = torch.mul(self.m, beta1).add_(g, alpha=1.0 - beta1)
-        self._res_sq = self.residual.fold(c, None if mask is None else mask.dense())
+        c = torch.mul(self.state.m, beta1).add_(g, alpha=1.0 - beta1)
+        self._res_sq = self.state.residual.fold(c, None if mask is None else mask.dense())
         self._c = c
         lo, hi = self.part.ranges[self.comm.rank]
         return c[lo:hi]
 
     def finish_residual(self, mask: Mask) -> None:
         assert self._c is not None
-        self._res_sq = self.residual.set_from(self._c, mask.dense())
+        self._res_sq = self.state.residual.set_from(self._c, mask.dense())
 
     # -- lines 2, 4-7 --------------------------------------------------------------------------
     def update(self, mask: Mask, lr: float, step: int, counts: list[list[int]],
@@ -74,18 +76,19 @@ class ReplicatedScape:
         assert c is not None, "prepare() first"
         beta1, beta2 = cfg.betas
         if self.record:
-            self.last = {"c": c.clone(), "m_prev": self.m.clone()}
+            self.last = {"c": c.clone(), "m_prev": self.state.m.clone()}
         k = sum(map(sum, counts))
         payload = gather_masked(c, bits, backend=self.backend, count=k)
         if self.codec.lowp:
             # the mean, identical on every rank; this rank's error goes into its residual
             payload, err = all_reduce_mean(payload, self.comm, self.codec, kind="payload")
-            self._res_sq = self._res_sq + self.residual.set_masked(err, bits, k, self.backend)
+            self._res_sq = self._res_sq + self.state.residual.set_masked(err, bits, k,
+                                                                         self.backend)
             if self.record:
                 self.last["wire_error"] = err.clone()
         else:
             self.comm.all_reduce(payload, kind="payload", average=True)
-        ghat_c = gather_masked(self.m, bits, backend=self.backend, count=k)
+        ghat_c = gather_masked(self.state.m, bits, backend=self.backend, count=k)
         ghat_c.mul_(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
         norm = torch.linalg.vector_norm(ghat_c)
         if cfg.clip_grad > 0:
@@ -96,7 +99,7 @@ class ReplicatedScape:
             self.last.update(payload=payload.clone(), ghat=ghat.clone())
         for i, p in enumerate(self.layout.params):
             a, b = self.layout.offsets[i], self.layout.offsets[i + 1]
-            adams_update_(p.data.view(-1), self.m[a:b], ghat[a:b], step=step, lr=lr,
+            adams_update_(p.data.view(-1), self.state.m[a:b], ghat[a:b], step=step, lr=lr,
                           beta1=beta1, beta2=beta2, eps=cfg.eps,
                           weight_decay=self.layout.weight_decay[i],
                           bias_correction=cfg.bias_correction, mask=bits[a:b])
@@ -104,20 +107,16 @@ class ReplicatedScape:
         return {"grad_norm": norm, "scape/payload_numel": float(k),
                 "scape/residual_norm": self._res_sq.sqrt()}, None
 
-    def select_path(self, k: int) -> bool:
-        """Whether this step runs the fused O(k) path (never, here: the reference engine)."""
-        return False
-
     def finish_step(self) -> dict[str, torch.Tensor]:
-        """End of the step, after the next mask's top-k: nothing left to do here (the fused
-        engine folds its residual now)."""
+        """End of the step, after the next mask's top-k: nothing left to do (the residual was
+        folded by prepare() or finish_residual())."""
         return {}
 
     # -- state in model space ------------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:
         """Flat momentum, rank-independent residual part (none here) and this rank's residual
         (copies: tests and the in-memory ``state_dict``)."""
-        return {"momentum": self.m.clone(), "residual": self.residual.full()}
+        return {"momentum": self.state.m.clone(), "residual": self.state.residual.full()}
 
     @property
     def state_range(self) -> tuple[int, int]:
@@ -127,15 +126,15 @@ class ReplicatedScape:
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The live flat state by kind, not copied: the momentum is the same on every rank
         (replicated), the residual is this rank's own."""
-        return {"replicated": {"momentum": self.m}, "sharded": {},
-                "per_rank": {"residual": self.residual.tensor()}}
+        return {"replicated": {"momentum": self.state.m}, "sharded": {},
+                "per_rank": {"residual": self.state.residual.tensor()}}
 
     def load_range_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
                          residual: torch.Tensor | None) -> None:
         """``momentum`` and ``shared`` over :attr:`state_range`; ``residual`` full, or None to
         reset it."""
-        self.m.copy_(momentum)
-        total = residual if residual is not None else torch.zeros_like(self.m)
+        self.state.m.copy_(momentum)
+        total = residual if residual is not None else torch.zeros_like(self.state.m)
         if shared is not None:       # from a sharded checkpoint: e = ρ + ε
             total = total + shared
-        self.residual.load(total)
+        self.state.residual.load(total)

@@ -30,6 +30,7 @@ from .partition import ParamLayout, PartitionMap
 from .payload import PayloadCodec, all_gather_rows, reduce_scatter_mean
 from .replicated import clip_coef
 from .residual import ResidualStore
+from .state import ScapeState
 
 
 class ShardedScape:
@@ -41,14 +42,15 @@ class ShardedScape:
         dev = layout.device
         self.lo, self.hi = part.ranges[comm.rank]
         own = self.hi - self.lo
-        self.m = torch.zeros(own, dtype=torch.float32, device=dev)     # owner's momentum
-        self.rho = torch.zeros(own, dtype=torch.float32, device=dev)   # owner's shared residual
-        self.residual = ResidualStore(layout.total, dev, cfg.offload_residuals,
-                                      cfg.offload_chunk_numel)        # ε^(r), full size
         self.codec = PayloadCodec(cfg.payload_dtype, backend)
-        # low precision only: the owner's parameter-update residual (see _sync_param_updates)
-        self.update_residual = (torch.zeros(own, dtype=torch.float32, device=dev)
-                                if self.codec.lowp else None)
+        self.state = ScapeState(
+            m=torch.zeros(own, dtype=torch.float32, device=dev),       # the owner's range
+            residual=ResidualStore(layout.total, dev, cfg.offload_residuals,
+                                   cfg.offload_chunk_numel),           # ε^(r), full size
+            rho=torch.zeros(own, dtype=torch.float32, device=dev),
+            # low precision only: the owner's parameter-update residual (_sync_param_updates)
+            update_residual=(torch.zeros(own, dtype=torch.float32, device=dev)
+                             if self.codec.lowp else None))
         self.record = False
         self.last: dict[str, torch.Tensor] = {}
         self._x: torch.Tensor | None = None
@@ -58,16 +60,16 @@ class ShardedScape:
         """``x = (1-β1)·g``, the residual folded when ``mask`` is known; returns ``c^(o)``.
         ``counts``: as in the replicated engine, not needed here."""
         x = torch.mul(g, 1.0 - self.cfg.betas[0])
-        self._res_sq = self.residual.fold(x, None if mask is None else mask.dense())
+        self._res_sq = self.state.residual.fold(x, None if mask is None else mask.dense())
         self._x = x
         return self._base().add_(x[self.lo:self.hi])                  # = c^(o) on the own range
 
     def finish_residual(self, mask: Mask) -> None:
         assert self._x is not None
-        self._res_sq = self.residual.set_from(self._x, mask.dense())
+        self._res_sq = self.state.residual.set_from(self._x, mask.dense())
 
     def _base(self) -> torch.Tensor:
-        return torch.mul(self.m, self.cfg.betas[0]).add_(self.rho)
+        return torch.mul(self.state.m, self.cfg.betas[0]).add_(self.state.rho)
 
     def update(self, mask: Mask, lr: float, step: int, seg_counts: list[list[int]],
                during_payload=None) -> tuple[dict, None]:
@@ -99,8 +101,8 @@ class ShardedScape:
                                              kind="payload")
             err = send.view(world, width).sub_(sent)
             err_c = torch.cat([err[r, :k] for r, k in enumerate(counts)])
-            self._res_sq = self._res_sq + self.residual.set_masked(err_c, bits, err_c.numel(),
-                                                                   self.backend)
+            self._res_sq = self._res_sq + self.state.residual.set_masked(
+                err_c, bits, err_c.numel(), self.backend)
             if self.record:
                 self.last["wire_error"] = err_c.clone()
         else:
@@ -112,21 +114,22 @@ class ShardedScape:
         own_mask = bits[self.lo:self.hi]
         base = self._base()
         b_c = recv[:k_own].add_(gather_masked(base, own_mask, backend=self.backend, count=k_own))
-        ghat_c = gather_masked(self.m, own_mask, backend=self.backend, count=k_own)
+        ghat_c = gather_masked(self.state.m, own_mask, backend=self.backend, count=k_own)
         ghat_c.mul_(-beta1).add_(b_c).div_(1.0 - beta1)
         sq = ghat_c.double().square().sum().float().reshape(1)
         comm.all_reduce(sq, kind="norm", average=False)
         norm = sq.sqrt()[0]
         if cfg.clip_grad > 0:
             ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
-        self.rho = base.masked_fill_(own_mask, 0.0)
-        ghat = torch.zeros_like(self.m)
+        self.state.rho = base.masked_fill_(own_mask, 0.0)
+        ghat = torch.zeros_like(self.state.m)
         scatter_masked(ghat_c, own_mask, ghat, backend=self.backend, count=k_own)
         decayed = self._decayed_own(lr) if self.codec.lowp else None
         for seg in self.part.segments[rank]:
             a = seg.flat_start - self.lo
             sl = slice(a, a + seg.numel)
-            adams_update_(lay.flat_view(seg.tensor)[seg.start:seg.end], self.m[sl], ghat[sl],
+            adams_update_(lay.flat_view(seg.tensor)[seg.start:seg.end], self.state.m[sl],
+                          ghat[sl],
                           step=step, lr=lr, beta1=beta1, beta2=beta2, eps=cfg.eps,
                           weight_decay=lay.weight_decay[seg.tensor],
                           bias_correction=cfg.bias_correction, mask=own_mask[sl])
@@ -196,7 +199,7 @@ class ShardedScape:
         if k_own:
             delta = (gather_masked(self._own_values(), own_mask, backend=self.backend, count=k_own)
                      .sub_(gather_masked(decayed, own_mask, backend=self.backend, count=k_own))
-                     .add_(gather_masked(self.update_residual, own_mask, backend=self.backend,
+                     .add_(gather_masked(self.state.update_residual, own_mask, backend=self.backend,
                                          count=k_own)))
             shard[:k_own] = delta
         applied = all_gather_rows(shard, self.comm, self.codec, kind="params")
@@ -204,7 +207,7 @@ class ShardedScape:
             self.last["update_target"] = shard[:k_own].clone()
         if k_own:
             scatter_masked(shard[:k_own].sub_(applied[rank, :k_own]), own_mask,
-                           self.update_residual, backend=self.backend, count=k_own)
+                           self.state.update_residual, backend=self.backend, count=k_own)
         if self.record:
             self.last["update_sent"] = applied[rank, :k_own].clone()
         # the owner's parameters back to (1-lr·wd)·θ, then the common path
@@ -225,13 +228,9 @@ class ShardedScape:
                 scatter_masked(vals, m, view, backend=self.backend, count=k)
                 at += k
 
-    def select_path(self, k: int) -> bool:
-        """Whether this step runs the fused O(k) path (never, here: the reference engine)."""
-        return False
-
     def finish_step(self) -> dict[str, torch.Tensor]:
-        """End of the step, after the next mask's top-k: nothing left to do here (the fused
-        engine folds its residual now)."""
+        """End of the step, after the next mask's top-k: nothing left to do (the residual was
+        folded by prepare() or finish_residual())."""
         return {}
 
     # -- state in model space ------------------------------------------------------------------
@@ -248,20 +247,21 @@ class ShardedScape:
     def full_state(self) -> dict[str, torch.Tensor]:
         """The full flat state, gathered from the owners (tests and the in-memory ``state_dict``
         only: checkpoints write each owner's range instead, see :meth:`checkpoint_tensors`)."""
-        out = {"momentum": self._gather_owned(self.m),
-               "shared_residual": self._gather_owned(self.rho), "residual": self.residual.full()}
-        if self.update_residual is not None:
-            out["update_residual"] = self._gather_owned(self.update_residual)
+        st = self.state
+        out = {"momentum": self._gather_owned(st.m), "shared_residual": self._gather_owned(st.rho),
+               "residual": st.residual.full()}
+        if self.state.update_residual is not None:
+            out["update_residual"] = self._gather_owned(self.state.update_residual)
         return out
 
     def load_update_residual(self, owned: torch.Tensor | None) -> None:
         """The owner's parameter-update residual over its range (low-precision payloads);
         None: zero."""
-        if self.update_residual is not None:
+        if self.state.update_residual is not None:
             if owned is None:
-                self.update_residual.zero_()
+                self.state.update_residual.zero_()
             else:
-                self.update_residual.copy_(owned)
+                self.state.update_residual.copy_(owned)
 
     @property
     def state_range(self) -> tuple[int, int]:
@@ -271,21 +271,21 @@ class ShardedScape:
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The live state by kind, not copied and never gathered: ``m`` and ``ρ`` over the owned
         range (owner-sharded), the full-size ``ε`` of this rank (per rank)."""
-        sharded = {"momentum": self.m, "shared_residual": self.rho}
-        if self.update_residual is not None:      # low-precision payloads: owner-range state too
-            sharded["update_residual"] = self.update_residual
+        sharded = {"momentum": self.state.m, "shared_residual": self.state.rho}
+        if self.state.update_residual is not None:   # low-precision payloads: owner-range state
+            sharded["update_residual"] = self.state.update_residual
         return {"replicated": {}, "sharded": sharded,
-                "per_rank": {"residual": self.residual.tensor()}}
+                "per_rank": {"residual": self.state.residual.tensor()}}
 
     def load_range_state(self, momentum: torch.Tensor, shared: torch.Tensor | None,
                          residual: torch.Tensor | None) -> None:
         """``momentum`` and ``shared`` over the owned range; ``residual`` full, or None to reset."""
-        self.m.copy_(momentum)
+        self.state.m.copy_(momentum)
         if shared is not None:
-            self.rho.copy_(shared)
+            self.state.rho.copy_(shared)
         else:                         # from a replicated checkpoint: ρ = 0, ε = e
-            self.rho.zero_()
+            self.state.rho.zero_()
         if residual is not None:
-            self.residual.load(residual)
+            self.state.residual.load(residual)
         else:
-            self.residual.zero_()
+            self.state.residual.zero_()

@@ -3,7 +3,8 @@ communication).
 
 One optimizer step t (``step(lr)``):
   - wait for M_t, the all-gather started at the end of step t-1 (it overlapped forward/backward);
-  - lines 1-7 in the engine (replicated §2 or sharded §3);
+  - lines 1-7 in an engine: the reference (replicated §2 or sharded §3, line by line), which
+    owns the state, or the fused O(k) engine on the same state, picked per step;
   - line 8: the owner's top-k of its candidate c^(o) with density d_{t+1}, packed, all-gathered
     asynchronously -- waited on inside step t+1.
 At step 1 there is no previous candidate: M_1 is the top-k of step 1's own candidates, gathered
@@ -29,7 +30,7 @@ from .kernels import pack_bits, resolve_backend, unpack_bits
 from .masks import (Mask, MaskExchange, PendingMask, mask_counts, measured_counts, overlap,
                     topk_own_mask)
 from .partition import ParamLayout, build_partition
-from .fused import FusedReplicatedScape, FusedShardedScape
+from .fused import FusedReplicatedScape, FusedShardedScape, fuses
 from .replicated import ReplicatedScape
 from .sharded import ShardedScape
 
@@ -55,10 +56,16 @@ class ScapeStrategy(OptimizerStrategy):
         self.part = build_partition(self.layout, self.comm.world, cfg.partitioner)
         self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.backend,
                                      layout=self.layout, coding=cfg.mask_coding)
-        engines = {("reference", False): ReplicatedScape, ("reference", True): ShardedScape,
-                   ("fused", False): FusedReplicatedScape, ("fused", True): FusedShardedScape}
-        engine_cls = engines[(cfg.scape_impl, bool(cfg.sharded))]
-        self.engine = engine_cls(self.layout, self.part, cfg, self.comm, self.backend)
+        reference, fused = ((ShardedScape, FusedShardedScape) if cfg.sharded
+                            else (ReplicatedScape, FusedReplicatedScape))
+        args = (self.layout, self.part, cfg, self.comm, self.backend)
+        self.reference = reference(*args)
+        # the O(k) engine, where the configuration allows it (fuses); it works on the
+        # reference's state, and a step at a density it does not accept runs the reference
+        self.fused = (fused(self.reference.state, *args) if cfg.scape_impl == "fused"
+                      and fuses(cfg.sharded, cfg.payload_dtype != "fp32", cfg.offload_residuals)
+                      else None)
+        self.last_engine = self.reference     # the engine of the last step
         # p.grad as views of one flat buffer (optimizer.flat_grads): both paths read it in place
         self.grad_buffer = (FlatGradBuffer(self.layout.names, self.layout.params, "SCAPE step")
                             if cfg.flat_grads else None)
@@ -143,20 +150,19 @@ class ScapeStrategy(OptimizerStrategy):
         t = self.steps_done + 1
         counts = self._loaded_counts or self.counts(self.density(t))
         self._loaded_counts = None
-        # the fused engine takes its O(k) path at low density only (select_path); it reads the
-        # gradients where autograd left them (and consumes them: scaled in place), the reference
-        # path takes one flat copy
+        # the fused engine at the densities it accepts: it reads the gradients where autograd
+        # left them (and consumes them: scaled in place), the reference takes one flat copy
         ones = sum(map(sum, counts))
-        fast = self.engine.select_path(ones)
-        g = self._grads() if fast else self._flat_grads()
+        engine = self._engine_for(ones)
+        g = self._grads() if engine is self.fused else self._flat_grads()
         prev = self._cur
         # the one wait: M_t, gathered during fwd/bwd, decoded to its indices (the fused engines
         # walk them; the reference engines make its bool tensor)
         mask = self._next()
-        stat = self.engine.prepare(g, mask, counts)
+        stat = engine.prepare(g, mask, counts)
         if mask is None:                     # first step: build M_1 synchronously
             mask = self._first_mask(stat, self.density(t))
-            self.engine.finish_residual(mask)
+            engine.finish_residual(mask)
         # M_{t+1}'s top-k reads the candidate only, not the averaged payload: the fused engines
         # run it while the payload's collective is in flight; the others leave it to here
         d_next = self.density(t + 1)
@@ -164,7 +170,7 @@ class ScapeStrategy(OptimizerStrategy):
             # a dense-phase step is data-parallel AdamS; the mask that starts the sparse phase is
             # the top-k of the averaged momentum m_t (spec §2 line 9, start step), read after
             # the update: every owner holds m_t on its segments
-            metrics, _ = self.engine.update(mask, lr, t, counts)
+            metrics, _ = engine.update(mask, lr, t, counts)
             own_bits = topk_own_mask(self._own_momentum(), self.part, self.comm.rank,
                                      self.layout, d_next, self.host_reads)
         else:
@@ -172,11 +178,11 @@ class ScapeStrategy(OptimizerStrategy):
                                           self.layout, d_next, self.host_reads)
             # an engine that overlaps runs it during its payload's collective and returns its
             # bits; the others return None and it runs here
-            metrics, own_bits = self.engine.update(mask, lr, t, counts, during_payload=next_topk)
+            metrics, own_bits = engine.update(mask, lr, t, counts, during_payload=next_topk)
             if own_bits is None:
                 own_bits = next_topk()
         self._pending = self.exchange.start(own_bits, d_next, async_op=True)
-        metrics.update(self.engine.finish_step())   # after the top-k has read the candidate
+        metrics.update(engine.finish_step())   # after the top-k has read the candidate
         self._cur, self.steps_done = mask, t
         metrics["scape/density"] = ones / self.layout.total
         metrics["scape/target_density"] = self.density(t)
@@ -185,11 +191,28 @@ class ScapeStrategy(OptimizerStrategy):
         mask.keep_one_form()   # one form of M_t between steps: its indices, or its bool tensor
         return metrics
 
+    def keep_intermediates(self, on: bool = True) -> None:
+        """Tests: each engine keeps its step's intermediates (candidate, payload, ĝ...) in its
+        ``last``; read them from :attr:`last_engine`."""
+        for engine in (self.reference, self.fused):
+            if engine is not None:
+                engine.record = on
+
+    def _engine_for(self, ones: int):
+        """The engine of a step whose mask has ``ones`` ones. The reference step does not track
+        m's support: after it, the fused engine must read m and e everywhere once."""
+        engine = self.fused if self.fused is not None and self.fused.accepts(ones) \
+            else self.reference
+        if engine is self.reference and self.fused is not None:
+            self.fused.forget_support()
+        self.last_engine = engine
+        return engine
+
     def _own_momentum(self) -> torch.Tensor:
         """m over this rank's owner range (the engine holds all of it, or that range)."""
         lo, hi = self.part.ranges[self.comm.rank]
-        state_lo = self.engine.state_range[0]
-        return self.engine.m[lo - state_lo:hi - state_lo]
+        state_lo = self.reference.state_range[0]
+        return self.reference.state.m[lo - state_lo:hi - state_lo]
 
     def _first_mask(self, stat: torch.Tensor, density: float) -> Mask:
         if density >= 1.0:
@@ -256,12 +279,12 @@ class ScapeStrategy(OptimizerStrategy):
                           for n, p in zip(lay.names, lay.params)])
 
     def _header(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "mode": self.engine.mode, "step": self.steps_done,
+        return {"version": STATE_VERSION, "mode": self.reference.mode, "step": self.steps_done,
                 "rank": self.comm.rank, "world": self.comm.world,
                 "partitioner": self.cfg.partitioner}
 
     def state_dict(self) -> dict[str, Any]:
-        full = self.engine.full_state()
+        full = self.reference.full_state()
         state: dict[str, Any] = {
             **self._header(),
             "momentum": self._split(full["momentum"]),
@@ -277,7 +300,7 @@ class ScapeStrategy(OptimizerStrategy):
         return state
 
     def checkpoint_state(self) -> StateParts:
-        pieces = self.engine.checkpoint_tensors()
+        pieces = self.reference.checkpoint_tensors()
         header = self._header()
         rank = header.pop("rank")
         replicated: dict[str, Any] = {**header,
@@ -288,7 +311,7 @@ class ScapeStrategy(OptimizerStrategy):
         per_rank.update({k: self._split(v, copy=False) for k, v in pieces["per_rank"].items()})
         sharded = None
         if pieces["sharded"]:
-            lo, hi = self.engine.state_range
+            lo, hi = self.reference.state_range
             sharded = FlatShard(lo, hi, self.layout.total,
                                 {k: v.detach() for k, v in pieces["sharded"].items()})
         return StateParts(replicated=replicated, per_rank=per_rank, sharded=sharded)
@@ -309,8 +332,8 @@ class ScapeStrategy(OptimizerStrategy):
         or from the owners' shards of a checkpoint."""
         owned = self._range_of(state.get("wire") or {}, shards, "update_residual",
                                "update residual", lo, hi)
-        if isinstance(self.engine, ShardedScape):
-            self.engine.load_update_residual(owned)
+        if isinstance(self.reference, ShardedScape):
+            self.reference.load_update_residual(owned)
         elif owned is not None:
             warnings.warn("SCAPE checkpoint holds a sharded low-precision parameter-update "
                           "residual; replicated mode sends exact updates, it is dropped")
@@ -335,7 +358,7 @@ class ScapeStrategy(OptimizerStrategy):
     def _load(self, state: dict[str, Any], shards: ShardSource | None) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported SCAPE state version {state.get('version')!r}")
-        lo, hi = self.engine.state_range    # all of it (replicated) or the owned range (sharded)
+        lo, hi = self.reference.state_range    # all of it (replicated) or the owned range (sharded)
         momentum = self._range_of(state, shards, "momentum", "momentum", lo, hi)
         if momentum is None:
             raise KeyError("SCAPE checkpoint holds no momentum (neither per parameter nor sharded)")
@@ -347,7 +370,9 @@ class ScapeStrategy(OptimizerStrategy):
             warnings.warn(f"SCAPE checkpoint was written by rank {state['rank']} of "
                           f"{state['world']}; this is rank {self.comm.rank} of {self.comm.world}: "
                           "per-rank residuals are reset to zero (momentum and masks are kept)")
-        self.engine.load_range_state(momentum, shared, residual)
+        self.reference.load_range_state(momentum, shared, residual)
+        if self.fused is not None:
+            self.fused.forget_support()
         self._load_wire_state(state, shards, lo, hi)
         self.steps_done = int(state["step"])
         nxt = self._join_mask(state.get("mask_next"))
