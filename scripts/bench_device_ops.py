@@ -48,6 +48,8 @@ CONTENDERS = {
         _S, density=0.1, density_warmup_steps=6, sharded=True, partitioner="flat",
         payload_dtype="bf16", offload_residuals=True),
     "SCAPE-99 replicated, fp8": dict(_S, density=0.01, payload_dtype="fp8_e4m3"),
+    "SCAPE-99 sharded (flat), fp8": dict(_S, density=0.01, payload_dtype="fp8_e4m3",
+                                         sharded=True, partitioner="flat"),
 }
 
 

@@ -58,6 +58,7 @@ class Candidate:
     start: float = 0.0
     cooldown: float = 0.0
     rank: int = 4                # PowerSGD's
+    hysteresis: float = 0.0      # optimizer.mask_hysteresis (ours, opt-in)
 
     def overrides(self, steps: int) -> list[str]:
         if self.optimizer == "powersgd":
@@ -70,7 +71,8 @@ class Candidate:
                 f"optimizer.density_schedule={self.shape}",
                 f"optimizer.density_warmup_steps={round(self.warmup * steps)}",
                 f"optimizer.density_start_step={round(self.start * steps)}",
-                f"optimizer.density_cooldown_steps={round(self.cooldown * steps)}"]
+                f"optimizer.density_cooldown_steps={round(self.cooldown * steps)}",
+                *([f"optimizer.mask_hysteresis={self.hysteresis:g}"] if self.hysteresis else [])]
 
 
 def _s(name, label, lr, **kw) -> Candidate:
@@ -105,6 +107,13 @@ CANDIDATES = {c.name: c for c in [
     _s("s99_fp32_d03_now", "d 0.03, fp32 payload, no warm-up", 4e-3, density=0.03, warmup=0.0),
     _s("s99_fp8_d08_geo3", "d 0.08, fp8 payload, geometric 3%", 2e-3, density=0.08,
        payload="fp8_e4m3", warmup=0.03),
+    # ours (opt-in, not in the spec): the next mask's statistic |c|·(1+γ) on the current mask,
+    # so fewer coordinates swap (each that (re)enters takes a 0.45·lr step at β2 = 0.95)
+    _s("s99_hyst1", "SCAPE-99 (fp32, geometric 10%), mask hysteresis 1", 4e-3, hysteresis=1.0),
+    _s("s99_fp8_d01_now_hyst1", "d 0.01, fp8 payload, no warm-up, mask hysteresis 1", 4e-3,
+       payload="fp8_e4m3", warmup=0.0, hysteresis=1.0),
+    _s("s99_fp8_d10_now_hyst1", "d 0.1, fp8 payload, no warm-up, mask hysteresis 1", 2e-3,
+       density=0.1, payload="fp8_e4m3", warmup=0.0, hysteresis=1.0),
     # the frontier (item 4): each family at its issue-13 best lr; SCAPE without a density
     # warm-up at lr 2e-3 from d 0.05 up (the screens' best) and 4e-3 below (SCAPE-99's best)
     _s("adamw", "dense AdamW", 2e-3, optimizer="adamw"),

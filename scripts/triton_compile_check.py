@@ -42,9 +42,9 @@ def variants() -> list[tuple]:
     kb, fb = {"BLOCK": tp.K_BLOCK}, {"BLOCK": tp.FULL_BLOCK}
     out = []
     for general, cand in ((True, False), (False, False), (False, True)):
-        out.append((tp._prepare_kernel, dict(blocks=P64, gtab=P64, e_addr=A, m_addr=A, parts=F64,
-                                              beta1="fp32", s="fp32", lo=A, hi=A, rho_addr=A,
-                                              cand_addr=A),
+        out.append((tp._prepare_kernel, dict(blocks=P64, grad_table=P64, e_addr=A, m_addr=A,
+                                              parts=F64, beta1="fp32", s="fp32", lo=A, hi=A,
+                                              rho_addr=A, cand_addr=A),
                     {"GENERAL": general, "CAND": cand, **fb}))
         # over one flat gradient buffer: n divisible by 16 (as Triton specializes it at a
         # launch); the PTX must show 16-byte accesses
@@ -53,7 +53,7 @@ def variants() -> list[tuple]:
                                                    rho_addr=A, cand_addr=A),
                     {"GENERAL": general, "CAND": cand, **fb}, {"divisible": ("n", "parts"),
                                                                 "vector_loads": True}))
-    out.append((tp._prepare_fix_kernel, dict(blocks=P64, ptab=P64, pidx_addr=A, e_addr=A,
+    out.append((tp._prepare_fix_kernel, dict(blocks=P64, support_table=P64, pidx_addr=A, e_addr=A,
                                              m_addr=A, parts=F64, beta1="fp32", s="fp32"), kb))
     vec = {"vector_loads": True, "divisible": ("k", "n")}
     for al in (False, True):      # ALIGNED: the launcher found the contiguous streams aligned
@@ -67,12 +67,12 @@ def variants() -> list[tuple]:
                         *want))
         for has_rho in (False, True):
             out.append((tp._ghat_kernel, dict(k=A, idx_addr=A, base=A, b_addr=A, rho_addr=A,
-                                              m_addr=A, mc_addr=A, parts=F64, nb="fp32",
+                                              m_addr=A, m_old_addr=A, parts=F64, nb="fp32",
                                               d="fp32"),
-                        {"HAS_RHO": has_rho, "HAS_M": True, "HAS_MC": True, **kba}, *want))
+                        {"HAS_RHO": has_rho, "HAS_M": True, "HAS_M_OLD": True, **kba}, *want))
         out.append((tp._ghat_kernel, dict(k=A, idx_addr=A, base=A, b_addr=A, rho_addr=A,
-                                          m_addr=A, mc_addr=A, parts=F64, nb="fp32", d="fp32"),
-                    {"HAS_RHO": False, "HAS_M": False, "HAS_MC": True, **kba}, *want))
+                                          m_addr=A, m_old_addr=A, parts=F64, nb="fp32", d="fp32"),
+                    {"HAS_RHO": False, "HAS_M": False, "HAS_M_OLD": True, **kba}, *want))
         out.append((tp._fill_kernel, dict(dst_addr=A, idx_addr=A, k=A, value="fp32",
                                           parts=F64), kba, *want))
         out.append((tp._zero_kernel, dict(dst_addr=A, n=A), fba))   # stores only
@@ -81,13 +81,13 @@ def variants() -> list[tuple]:
                     *want))
     scal = {n: "fp32" for n in ("beta1", "beta2", "omb1", "omb2", "bc1", "sqrt_bc2", "eps", "ns")}
     for clip, has_out, bias in ((True, False, 1), (False, True, 2), (True, True, 0)):
-        out.append((tp._adams_kernel, dict(blocks=P64, ttab=P64, idx_addr=A, j0=A, base=A,
-                                           ghat_addr=A, m_addr=A, out_addr=A, mc_addr=A,
+        out.append((tp._adams_kernel, dict(blocks=P64, param_table=P64, idx_addr=A, j0=A, base=A,
+                                           ghat_addr=A, m_addr=A, out_addr=A, m_old_addr=A,
                                            coef_ptr=F32, **scal),
                     {"CLIP": clip, "HAS_OUT": has_out, "BIAS": bias, **kb}))
-    out.append((tp._scatter_params_kernel, dict(blocks=P64, stab=P64, idx_addr=A,
+    out.append((tp._scatter_params_kernel, dict(blocks=P64, scatter_table=P64, idx_addr=A,
                                                 values_addr=A), kb))
-    out.append((tp._decay_kernel, dict(blocks=P64, dtab=P64), fb))
+    out.append((tp._decay_kernel, dict(blocks=P64, decay_table=P64), fb))
     # the mask-bit kernels (kernels.py's Triton backend)
     out.append((tk._pack_kernel, dict(mask_ptr=U8, out_ptr=U8, n=A, nbytes=A),
                 {"BLOCK_BYTES": tk.PACK_BLOCK_BYTES}))

@@ -105,11 +105,22 @@ def test_fused_default_and_invariants_one_worker():
     check_invariants([record_run(strategy, wrapped, 0, steps=4)], clip_active=False)
 
 
-def test_fused_falls_back_for_offload_and_a_sharded_low_precision_payload():
-    for kw in (dict(offload_residuals=True, offload_chunk_numel=37),
-               dict(payload_dtype="bf16", sharded=True)):
-        s, _, _ = make(_cfg(**kw))
-        assert s.fused is None
+def test_an_offloaded_residual_runs_the_reference_engine():
+    s, _, _ = make(_cfg(offload_residuals=True, offload_chunk_numel=37))
+    assert s.fused is None
+
+
+@pytest.mark.parametrize("payload", ["bf16", "fp8_e4m3"])
+def test_fused_takes_a_low_precision_payload_in_sharded_mode(payload):
+    """The coded reduce-scatter's error lands in ε[M], and the owners send coded parameter
+    updates with their update residual u, as the reference does; ρ stays zero on the mask, so
+    m's support is kept and the fused step stays on it."""
+    _compare(_pair_run(0, payload_dtype=payload, sharded=True))
+    s, w, _ = make(_cfg(payload_dtype=payload, sharded=True))
+    for t in range(1, 6):
+        train_step(s, w, t, 0)
+    assert (s.last_engine is s.fused) and s.fused._pidx is not None
+    s.close()
 
 
 @pytest.mark.parametrize("payload", ["bf16", "fp8_e4m3"])
@@ -134,7 +145,8 @@ def _dist_worker(rank, world, sharded, partitioner, coding, payload="fp32"):
 @pytest.mark.dist
 @pytest.mark.parametrize("world,sharded,partitioner,coding,payload", [
     (2, False, "tensor", "auto", "fp32"), (3, True, "flat", "elias_fano", "fp32"),
-    (3, False, "flat", "auto", "fp8_e4m3"),
+    (3, False, "flat", "auto", "fp8_e4m3"), (3, True, "tensor", "elias_fano", "fp8_e4m3"),
+    pytest.param(2, True, "flat", "auto", "bf16", marks=pytest.mark.slow),
     pytest.param(4, True, "tensor", "auto", "fp32", marks=pytest.mark.slow),
     pytest.param(3, False, "flat", "elias_fano", "fp32", marks=pytest.mark.slow),
     pytest.param(2, False, "tensor", "indices", "bf16", marks=pytest.mark.slow)])

@@ -153,16 +153,16 @@ def test_k_sized_passes_over_whole_blocks_and_a_tail(k):
         at = idx[start:]
         s = torch.randn(n, generator=gen)
         m = torch.randn(n, generator=torch.Generator().manual_seed(1))
-        s0, vals, mc = s.clone(), torch.empty(k + start), torch.empty(k + start)
+        s0, vals, m_old = s.clone(), torch.empty(k + start), torch.empty(k + start)
         p = traffic.ptr(idx) + 8 * start
         v = traffic.ptr(vals) + 4 * start
         sq = lib.scape_gather(k, p, 0, traffic.ptr(s), v)
         assert torch.equal(vals[start:], s0[at])
         assert float(sq) == pytest.approx(float(s0[at].double().square().sum()), rel=1e-12)
         want = (vals[start:] + m[at] * -0.9) / 0.1
-        sq = lib.scape_ghat(k, p, 0, v, None, traffic.ptr(m), traffic.ptr(mc) + 4 * start,
+        sq = lib.scape_ghat(k, p, 0, v, None, traffic.ptr(m), traffic.ptr(m_old) + 4 * start,
                             0.9, 0.1)
-        assert torch.equal(mc[start:], m[at])    # the old m at the mask, stored
+        assert torch.equal(m_old[start:], m[at])    # the old m at the mask, stored
         torch.testing.assert_close(vals[start:], want, rtol=1e-6, atol=0)
         assert float(sq) == pytest.approx(float(vals[start:].double().square().sum()), rel=1e-12)
         sq = lib.scape_take(k, p, traffic.ptr(s), v)

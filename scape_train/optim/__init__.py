@@ -79,6 +79,8 @@ def validate(cfg: OptimizerConfig) -> None:
     need(cfg.density_start_step >= 0 and cfg.density_cooldown_steps >= 0,
          f"density_start_step and density_cooldown_steps must be >= 0, got "
          f"{cfg.density_start_step}, {cfg.density_cooldown_steps}")
+    need(cfg.mask_hysteresis >= 0.0,
+         f"mask_hysteresis must be >= 0 (0: the spec's statistic), got {cfg.mask_hysteresis}")
     need(cfg.density_schedule in SCHEDULES,
          f"density_schedule must be one of {list(SCHEDULES)}, got {cfg.density_schedule!r}")
     need(cfg.partitioner in PARTITIONERS,

@@ -24,6 +24,7 @@ class OptimizerConfig:
     density_schedule: str = "geometric"   # warm-up shape: geometric | linear | constant
     density_start_step: int = 0       # steps before it: dense data-parallel AdamS (density 1)
     density_cooldown_steps: int = 0   # the last C steps: geometric back to 1 (flushes residuals)
+    mask_hysteresis: float = 0.0      # scape, ours (opt-in): next-mask statistic |c|·(1+γ) on M_t
     partitioner: str = "tensor"       # tensor | flat
     sharded: bool = False             # ZeRO-1 state (spec section 3)
     exclude_norm_bias: bool = True    # scape/top-k: 1-D tensors (biases, norm gains) travel dense

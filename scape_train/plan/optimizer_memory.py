@@ -178,13 +178,12 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
 
 
 def fused_densities(cfg: Config, n: int, counts_at) -> list[float]:
-    """Every density at which a run of ``cfg`` takes the fused step (``select_path``: its mask
+    """Every density at which a run of ``cfg`` takes the fused step (``accepts``: its mask
     holds at most FUSED_MAX_FRACTION of the ``n`` parameters), largest first; none if it never
     does (a warm-up falls through them, a cooldown rises through them)."""
     from scape_train.optim.scape.fused import FUSED_MAX_FRACTION, fuses
     o = cfg.optimizer
-    if o.scape_impl != "fused" or not fuses(o.sharded, o.payload_dtype != "fp32",
-                                            o.offload_residuals):
+    if o.scape_impl != "fused" or not fuses(o.offload_residuals):
         return []
     schedule = DensitySchedule.of(o, cfg.trainer.max_steps)
     return [d for d in sorted({schedule.at(t) for t in schedule.changing_steps()}, reverse=True)

@@ -49,7 +49,7 @@ from ..config import OptimizerConfig
 from . import passes, traffic
 from .masks import Mask
 from .partition import ParamLayout, PartitionMap
-from .payload import PayloadCodec, all_reduce_mean
+from .payload import PayloadCodec, all_gather_rows, all_reduce_mean, reduce_scatter_mean
 from .replicated import clip_coef
 from .state import ScapeState
 
@@ -104,11 +104,11 @@ class _MaskIndex:
         return self._local
 
 
-def fuses(sharded: bool, low_precision_payload: bool, offload_residuals: bool) -> bool:
-    """Whether a configuration can take the O(k) step at all: not with an offloaded residual;
-    a low-precision payload in replicated mode only (its torch ops: the Triton passes and the
-    sharded engine move fp32 values)."""
-    return not offload_residuals and not (low_precision_payload and sharded)
+def fuses(offload_residuals: bool) -> bool:
+    """Whether a configuration can take the O(k) step at all: not with an offloaded residual
+    (walked in host chunks by the reference). A low-precision payload takes the torch ops (the
+    Triton passes move fp32 values)."""
+    return not offload_residuals
 
 
 class _FusedEngine:
@@ -119,7 +119,7 @@ class _FusedEngine:
 
     def __init__(self, state: ScapeState, layout: ParamLayout, part: PartitionMap,
                  cfg: OptimizerConfig, comm: Comm, backend: str):
-        assert fuses(cfg.sharded, cfg.payload_dtype != "fp32", cfg.offload_residuals)
+        assert fuses(cfg.offload_residuals)
         self.state, self.layout, self.part, self.cfg, self.comm, self.backend = \
             state, layout, part, cfg, comm, backend
         self.codec = PayloadCodec(cfg.payload_dtype, backend)
@@ -211,8 +211,8 @@ class _FusedEngine:
         size = grads[0].element_size()
         if all(g.data_ptr() == base + size * offs[i] for i, g in enumerate(grads)):
             return 1, traffic.table([[base, 0]], 2), self._total_numel
-        gtab = traffic.table([[g.data_ptr(), offs[i]] for i, g in enumerate(grads)], 2)
-        return len(grads), gtab, self._numels
+        grad_table = traffic.table([[g.data_ptr(), offs[i]] for i, g in enumerate(grads)], 2)
+        return len(grads), grad_table, self._numels
 
     def _param_table(self, mi: _MaskIndex, lo: int, hi: int, lr: float, src=None
                      ) -> torch.Tensor:
@@ -235,11 +235,11 @@ class _FusedEngine:
                 lay.flat_view(t)[s0:s1].mul_(1.0 - lr * lay.weight_decay[t])
 
     def _passes_adams(self, lib, idx, j0: int, k: int, base: int, ghat: torch.Tensor,
-                      mc: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
-                      ttab: torch.Tensor, out: torch.Tensor | None, coef, lr: float,
+                      m_old: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
+                      param_table: torch.Tensor, out: torch.Tensor | None, coef, lr: float,
                       step: int) -> None:
         """:meth:`_decay`, :meth:`_adams_k` and :meth:`_set_momentum` in kernels over the index
-        list's ``[j0, j0 + k)`` (``mc``: the old momentum there, from the ĝ pass): θ updated in
+        list's ``[j0, j0 + k)`` (``m_old``: the old momentum there, from the ĝ pass): θ updated in
         place, the table's segments decayed off the mask in the same walk (or the new θ into
         ``out``); m zeroed on ``old_support`` (indices into ``m``; ``None``: everywhere) and set
         to the new momentum at the mask."""
@@ -248,11 +248,11 @@ class _FusedEngine:
         bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
         bias = {"adam": 1, "official": 2}.get(cfg.bias_correction, 0)
         step_size = lr / bc1 if bias else lr
-        kz = -1 if old_support is None else old_support.numel()
+        n_zero = -1 if old_support is None else old_support.numel()
         coef_arg = 1.0 if coef is None else coef     # a device tensor: no host read
         lib.scape_adams(traffic.ptr(idx), j0, k, base, traffic.ptr(ghat), traffic.ptr(m),
-                        m.numel(), traffic.ptr(old_support), kz, traffic.ptr(ttab),
-                        ttab.shape[0], traffic.ptr(out), traffic.ptr(mc),
+                        m.numel(), traffic.ptr(old_support), n_zero, traffic.ptr(param_table),
+                        param_table.shape[0], traffic.ptr(out), traffic.ptr(m_old),
                         coef_arg, int(coef is not None), beta1,
                         beta2, 1.0 - beta1, 1.0 - beta2, bc1, math.sqrt(bc2), cfg.eps,
                         -step_size, bias)
@@ -376,21 +376,22 @@ class FusedReplicatedScape(_FusedEngine):
              else self.state.residual.overwriting(self._pidx))
         self._c_sq, self._payload = None, None
         lib = self._passes(g)
-        rows, gtab, numels = self._grad_table(g) if lib is not None else (0, None, None)
+        grad_rows, grad_table, numels = self._grad_table(g) if lib is not None else (0, None, None)
         idx = self._given(mask, counts)     # M_t's indices, when the decode gave them
-        if self._pidx is not None and rows == 1 and idx is not None:
+        if self._pidx is not None and grad_rows == 1 and idx is not None:
             # the two lines below, the payload gather and m's (m then zeroed on its support:
-            # the update sets it at M_t from mc) in one walk of one flat gradient
-            payload, mc = (torch.empty(idx.numel(), dtype=torch.float32, device=e.device)
+            # the update sets it at M_t from m_old) in one walk of one flat gradient
+            payload, m_old = (torch.empty(idx.numel(), dtype=torch.float32, device=e.device)
                            for _ in range(2))
             self._c_sq = lib.scape_prepare_gather(
                 self.layout.total, g[0].data_ptr(), traffic.ptr(e), traffic.ptr(self.state.m),
                 traffic.ptr(self._pidx), self._pidx.numel(), traffic.ptr(idx), idx.numel(),
-                traffic.ptr(payload), traffic.ptr(mc), beta1, 1.0 - beta1)   # Σ c² off M_t
-            self._cut, self._payload = 0.0, (idx, payload, mc)
+                traffic.ptr(payload), traffic.ptr(m_old), beta1, 1.0 - beta1)   # Σ c² off M_t
+            self._cut, self._payload = 0.0, (idx, payload, m_old)
         elif self._pidx is None and lib is not None:   # the general line below, in kernels
             self._c_sq = lib.scape_prepare_replicated_general(
-                rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(e), traffic.ptr(self.state.m),
+                grad_rows, traffic.ptr(grad_table), traffic.ptr(numels), traffic.ptr(e),
+                traffic.ptr(self.state.m),
                 beta1, 1.0 - beta1)
         elif self._pidx is None:        # m may be nonzero anywhere (first step, after a load)
             w = torch._foreach_mul(self._views(self.state.m), beta1)
@@ -398,11 +399,13 @@ class FusedReplicatedScape(_FusedEngine):
             torch._foreach_add_(self._views(e), w)
         elif lib is not None:           # the two lines below, in kernels
             segs = self._prev_local.segs
-            ptab = traffic.table([[g[t].data_ptr(), self.layout.offsets[t], a, b]
+            support_table = traffic.table([[g[t].data_ptr(), self.layout.offsets[t], a, b]
                                  for t, a, b in segs], 4)
             self._c_sq = lib.scape_prepare_replicated(
-                rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(e), traffic.ptr(self.state.m),
-                traffic.ptr(self._pidx), self._pidx.numel(), traffic.ptr(ptab), ptab.shape[0],
+                grad_rows, traffic.ptr(grad_table), traffic.ptr(numels), traffic.ptr(e),
+                traffic.ptr(self.state.m),
+                traffic.ptr(self._pidx), self._pidx.numel(), traffic.ptr(support_table),
+                support_table.shape[0],
                 beta1, 1.0 - beta1)   # Σ c², for the metric
         else:                           # m and e_{t-1}: nonzero on disjoint sets
             pidx = self._pidx
@@ -471,23 +474,23 @@ class FusedReplicatedScape(_FusedEngine):
         # the prepare's walk changed m (and e) for these indices: no other path may follow
         assert gathered is None or gathered[0] is idx, "the prepare walked other indices"
         if gathered is not None:                             # by the prepare's walk, which
-            _, payload, mc = gathered                        # zeroed m on its old support
+            _, payload, m_old = gathered                        # zeroed m on its old support
             m_at, old_support = None, torch.zeros(0, dtype=torch.int64, device=m.device)
         else:
-            payload, mc = (torch.empty(k, dtype=torch.float32, device=c.device)
+            payload, m_old = (torch.empty(k, dtype=torch.float32, device=c.device)
                            for _ in range(2))
             self._cut = lib.scape_gather(k, traffic.ptr(idx), 0, traffic.ptr(c),
                                          traffic.ptr(payload))    # and Σ_M c², for the metric
-            m_at, old_support = m, self._pidx                # ĝ's pass gathers m into mc
+            m_at, old_support = m, self._pidx                # ĝ's pass gathers m into m_old
         overlapped = _overlapped(self.comm.all_reduce(payload, kind="payload", average=True,
                                                       async_op=True), during_payload)
         sq = lib.scape_ghat(k, traffic.ptr(idx), 0, traffic.ptr(payload), None,
-                            traffic.ptr(m_at), traffic.ptr(mc), cfg.betas[0],
+                            traffic.ptr(m_at), traffic.ptr(m_old), cfg.betas[0],
                             1.0 - cfg.betas[0])                  # payload becomes ĝ
         norm = _root(sq).float()
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         mi = self._index(idx, counts)
-        self._passes_adams(lib, idx, 0, k, 0, payload, mc, m, old_support,
+        self._passes_adams(lib, idx, 0, k, 0, payload, m_old, m, old_support,
                            self._param_table(mi, 0, k, lr), None, coef, lr, step)  # and m
         self._decay_empty(mi, lr)
         self._pidx = idx
@@ -516,7 +519,8 @@ class FusedReplicatedScape(_FusedEngine):
                 self.state.residual.defer_zero(self._idx)
                 return {"scape/residual_norm": _root(c_sq, cut)}
             self.state.residual.tensor().index_fill_(0, self._idx, 0.0)
-        return {"scape/residual_norm": torch.linalg.vector_norm(self.state.residual.tensor()).double()}
+        e = self.state.residual.tensor()
+        return {"scape/residual_norm": torch.linalg.vector_norm(e).double()}
 
     def forget_support(self) -> None:
         super().forget_support()
@@ -544,17 +548,18 @@ class FusedShardedScape(_FusedEngine):
         lib = self._passes(g) if self._pidx is not None else None
         self._x_sq, self._taken = None, None
         if lib is not None:            # ε ← x, ρ ← base and c^(o) = base + x^(o), in one pass
-            rows, gtab, numels = self._grad_table(g)
+            grad_rows, grad_table, numels = self._grad_table(g)
             p = self._pidx_own
             cand = torch.empty(self.hi - self.lo, dtype=torch.float32, device=eps_.device)
             idx = self._given(mask, counts)
-            if rows == 1 and idx is not None:
+            if grad_rows == 1 and idx is not None:
                 self._taken = self._prepare_take(lib, g[0], eps_, cand, idx, counts)
                 self._x = eps_
                 return cand
             self._x_sq = lib.scape_prepare_sharded(
-                rows, traffic.ptr(gtab), traffic.ptr(numels), traffic.ptr(eps_),
-                traffic.ptr(self.state.rho), traffic.ptr(self.state.m), traffic.ptr(p), p.numel(), self.lo,
+                grad_rows, traffic.ptr(grad_table), traffic.ptr(numels), traffic.ptr(eps_),
+                traffic.ptr(self.state.rho), traffic.ptr(self.state.m), traffic.ptr(p), p.numel(),
+                self.lo,
                 self.hi, traffic.ptr(cand), beta1, 1.0 - beta1)
             self._x = eps_
             return cand
@@ -577,18 +582,20 @@ class FusedShardedScape(_FusedEngine):
         width = max(1, max(counts))
         starts = [sum(counts[:r]) for r in range(comm.world)]
         send = torch.zeros(comm.world, width, dtype=torch.float32, device=x.device)
-        rows = traffic.table([[starts[r], r * width - starts[r]] for r in range(comm.world)], 2)
+        send_rows = traffic.table([[starts[r], r * width - starts[r]]
+                                   for r in range(comm.world)], 2)
         a = starts[comm.rank]
         b = a + counts[comm.rank]
-        mc, rho_at = (torch.empty(b - a, dtype=torch.float32, device=x.device) for _ in range(2))
+        m_old, rho_at = (torch.empty(b - a, dtype=torch.float32, device=x.device) for _ in range(2))
         p = self._pidx_own
         sq = lib.scape_prepare_take(self.layout.total, g.data_ptr(), traffic.ptr(x),
-                                    traffic.ptr(self.state.rho), traffic.ptr(self.state.m), traffic.ptr(p),
+                                    traffic.ptr(self.state.rho), traffic.ptr(self.state.m),
+                                    traffic.ptr(p),
                                     p.numel(), self.lo, self.hi, traffic.ptr(cand),
-                                    traffic.ptr(idx), idx.numel(), traffic.ptr(rows),
-                                    comm.world, traffic.ptr(send), a, b, traffic.ptr(mc),
+                                    traffic.ptr(idx), idx.numel(), traffic.ptr(send_rows),
+                                    comm.world, traffic.ptr(send), a, b, traffic.ptr(m_old),
                                     traffic.ptr(rho_at), beta1, 1.0 - beta1)
-        return idx, send, mc, rho_at, sq
+        return idx, send, m_old, rho_at, sq
 
     def update(self, mask: Mask, lr: float, step: int, seg_counts: list[list[int]],
                during_payload=None) -> tuple[dict, object]:
@@ -614,10 +621,21 @@ class FusedShardedScape(_FusedEngine):
         for r, k in enumerate(counts):
             if k:
                 send[r, :k] = payload[starts[r]:starts[r] + k]
-        recv = torch.empty(width, dtype=torch.float32, device=x.device)
-        overlapped = _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload",
-                                                     average=True, async_op=True),
-                                 during_payload)
+        wire_err = None
+        if self.codec.lowp:
+            # the coded mean is blocking collectives; the next mask's top-k (it reads the
+            # owner's candidate only) runs first. This rank's error goes into ε[M], below.
+            overlapped = None if during_payload is None else during_payload()
+            recv, sent = reduce_scatter_mean(send, comm, self.codec, kind="payload")
+            err = send.sub_(sent)
+            wire_err = torch.cat([err[r, :k] for r, k in enumerate(counts)])
+            if self.record:
+                self.last["wire_error"] = wire_err.clone()
+        else:
+            recv = torch.empty(width, dtype=torch.float32, device=x.device)
+            overlapped = _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload",
+                                                         average=True, async_op=True),
+                                     during_payload)
         if self.record:
             self.last["reduced"] = recv[:counts[rank]].clone()
         k_own, s_own = counts[rank], starts[rank]
@@ -630,27 +648,37 @@ class FusedShardedScape(_FusedEngine):
         norm = sq.sqrt()[0]
         if cfg.clip_grad > 0:
             ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
-        self.state.rho.index_fill_(0, own_idx, 0.0)                # ρ = (1-M)⊙base
-        x.index_fill_(0, idx, 0.0)                           # ε = (1-M)⊙x
+        self.state.rho.index_fill_(0, own_idx, 0.0)          # ρ = (1-M)⊙base
+        if wire_err is None:
+            x.index_fill_(0, idx, 0.0)                       # ε = (1-M)⊙x
+        else:
+            x.index_copy_(0, idx, wire_err)                  # ... + the wire error at M
         res_sq = torch.linalg.vector_norm(x).double().square()
         mi = self._index(idx, seg_counts)
         segs, local = mi.segs, mi.local
         self._decay(lr)
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
-        if k_own:
-            theta_c = self._gather_params(segs, local, s_own, s_own + k_own)
-            m_new = self._adams_k(m_c, ghat_c, theta_c, lr, step)
-            shard[:k_own] = theta_c
+        theta_c = self._gather_params(segs, local, s_own, s_own + k_own) if k_own else None
+        decayed_c = theta_c.clone() if k_own and wire_err is not None else None
+        m_new = self._adams_k(m_c, ghat_c, theta_c, lr, step) if k_own else m_c
+        if wire_err is None:
+            if k_own:
+                shard[:k_own] = theta_c
+            gathered = torch.empty(width * world, dtype=torch.float32, device=x.device)
+            comm.all_gather(gathered, shard, kind="params")
         else:
-            m_new = m_c
-        gathered = torch.empty(width * world, dtype=torch.float32, device=x.device)
-        comm.all_gather(gathered, shard, kind="params")
+            gathered = self._sync_param_updates(shard, theta_c, decayed_c, own_idx)
 
         def value_at(a: int, b: int) -> torch.Tensor:
             at = _gathered_at(a, starts, counts, width)
             return gathered[at:at + b - a]
 
-        self._scatter_params(segs, local, gathered, value_at)
+        if wire_err is None:
+            self._scatter_params(segs, local, gathered, value_at)
+        else:       # θ[M] ← (1-lr·wd)·θ[M] + the decoded update, on every rank alike
+            for t, a, b in segs:
+                view, at = self.layout.flat_view(t), local[a:b]
+                view.index_copy_(0, at, view.index_select(0, at).add_(value_at(a, b)))
         if self._pidx is None:
             self.state.m.zero_()
         else:
@@ -661,6 +689,25 @@ class FusedShardedScape(_FusedEngine):
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(total),
                 "scape/residual_norm": res_sq.sqrt()}, overlapped
+
+    def _sync_param_updates(self, shard: torch.Tensor, theta_c: torch.Tensor | None,
+                            decayed_c: torch.Tensor | None, own_idx: torch.Tensor
+                            ) -> torch.Tensor:
+        """A low-precision payload's parameter sync (the reference's ``_sync_param_updates``,
+        O(k)): the owner sends ``δ = θ_new - (1-lr·wd)·θ + u`` at its mask entries, coded like
+        the payload, and keeps ``u ← δ - deq(q(δ))``; returns every owner's decoded updates,
+        flat (``width`` apart), for every rank to add to its decayed θ."""
+        k_own, rank = own_idx.numel(), self.comm.rank
+        u = self.state.update_residual
+        if k_own:
+            shard[:k_own] = theta_c.sub_(decayed_c).add_(u.index_select(0, own_idx))
+        applied = all_gather_rows(shard, self.comm, self.codec, kind="params")
+        if self.record:
+            self.last["update_target"] = shard[:k_own].clone()
+            self.last["update_sent"] = applied[rank, :k_own].clone()
+        if k_own:
+            u.index_copy_(0, own_idx, shard[:k_own].sub_(applied[rank, :k_own]))
+        return applied.reshape(-1)
 
     def _update_passes(self, lib, idx: torch.Tensor, seg_counts: list[list[int]],
                        counts: list[int], starts: list[int], width: int, lr: float, step: int,
@@ -677,7 +724,7 @@ class FusedShardedScape(_FusedEngine):
         # the prepare's walk changed x, ρ and m for these indices: no other path may follow
         assert taken is None or taken[0] is idx, "the prepare walked other indices"
         if taken is not None:                       # by the prepare's walk: the rows, and the
-            _, send, mc, rho_at, res_sq = taken     # owner's m and ρ (both zeroed there)
+            _, send, m_old, rho_at, res_sq = taken     # owner's m and ρ (both zeroed there)
             cut, old_support = 0.0, torch.zeros(0, dtype=torch.int64, device=x.device)
         else:
             res_sq, rho_at, old_support = None, None, self._pidx_own
@@ -687,19 +734,19 @@ class FusedShardedScape(_FusedEngine):
                 if k:
                     cut = cut + lib.scape_take(k, traffic.ptr(idx[starts[r]:starts[r] + k]),
                                                traffic.ptr(x), traffic.ptr(send[r]))
-            mc = torch.empty(k_own, dtype=torch.float32, device=x.device)  # old m at the mask
+            m_old = torch.empty(k_own, dtype=torch.float32, device=x.device)  # old m at the mask
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
         overlapped = _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload",
                                                      average=True, async_op=True),
                                  during_payload)
         del send
-        if rho_at is None:      # recv = ĝ; ρ = (1-M)⊙base; m gathered into mc
+        if rho_at is None:      # recv = ĝ; ρ = (1-M)⊙base; m gathered into m_old
             sq = lib.scape_ghat(k_own, traffic.ptr(own), lo, traffic.ptr(recv),
-                                traffic.ptr(self.state.rho), traffic.ptr(m), traffic.ptr(mc),
+                                traffic.ptr(self.state.rho), traffic.ptr(m), traffic.ptr(m_old),
                                 cfg.betas[0], 1.0 - cfg.betas[0])
-        else:                   # b̄ + ρ (the ĝ pass's first add), then ĝ from mc
+        else:                   # b̄ + ρ (the ĝ pass's first add), then ĝ from m_old
             recv[:k_own].add_(rho_at)
-            sq = lib.scape_ghat(k_own, None, 0, traffic.ptr(recv), None, None, traffic.ptr(mc),
+            sq = lib.scape_ghat(k_own, None, 0, traffic.ptr(recv), None, None, traffic.ptr(m_old),
                                 cfg.betas[0], 1.0 - cfg.betas[0])
         sq_t = sq.float().reshape(1)
         comm.all_reduce(sq_t, kind="norm", average=False)
@@ -713,7 +760,7 @@ class FusedShardedScape(_FusedEngine):
         mi = self._index(idx, seg_counts)
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
         if k_own:     # θ·(1 - lr·wd) + the update into the shard; θ itself is not written yet
-            self._passes_adams(lib, idx, s_own, k_own, lo, recv, mc, m, old_support,
+            self._passes_adams(lib, idx, s_own, k_own, lo, recv, m_old, m, old_support,
                                self._param_table(mi, s_own, s_own + k_own, lr), shard, coef,
                                lr, step)                      # and m (own range)
         elif old_support is None:
@@ -724,9 +771,10 @@ class FusedShardedScape(_FusedEngine):
         comm.all_gather(gathered, shard, kind="params")
 
         # θ from the gathered shards at the mask, θ·(1 - lr·wd) elsewhere: one walk of θ
-        stab = self._param_table(mi, 0, idx.numel(), lr,
+        scatter_table = self._param_table(mi, 0, idx.numel(), lr,
                                  lambda a: _gathered_at(a, starts, counts, width))
-        lib.scape_scatter_params(traffic.ptr(idx), traffic.ptr(stab), stab.shape[0],
+        lib.scape_scatter_params(traffic.ptr(idx), traffic.ptr(scatter_table),
+                                 scatter_table.shape[0],
                                  traffic.ptr(gathered))
         self._decay_empty(mi, lr)
         self._pidx, self._pidx_own = idx, own - lo

@@ -63,7 +63,7 @@ class ScapeStrategy(OptimizerStrategy):
         # the O(k) engine, where the configuration allows it (fuses); it works on the
         # reference's state, and a step at a density it does not accept runs the reference
         self.fused = (fused(self.reference.state, *args) if cfg.scape_impl == "fused"
-                      and fuses(cfg.sharded, cfg.payload_dtype != "fp32", cfg.offload_residuals)
+                      and fuses(cfg.offload_residuals)
                       else None)
         self.last_engine = self.reference     # the engine of the last step
         # p.grad as views of one flat buffer (optimizer.flat_grads): both paths read it in place
@@ -174,6 +174,8 @@ class ScapeStrategy(OptimizerStrategy):
             own_bits = topk_own_mask(self._own_momentum(), self.part, self.comm.rank,
                                      self.layout, d_next, self.host_reads)
         else:
+            if self.cfg.mask_hysteresis > 0:
+                stat = self._with_hysteresis(stat, mask)
             next_topk = functools.partial(topk_own_mask, stat, self.part, self.comm.rank,
                                           self.layout, d_next, self.host_reads)
             # an engine that overlaps runs it during its payload's collective and returns its
@@ -190,6 +192,18 @@ class ScapeStrategy(OptimizerStrategy):
             metrics["scape/mask_overlap"] = overlap(mask, prev, self.backend) / max(ones, 1.0)
         mask.keep_one_form()   # one form of M_t between steps: its indices, or its bool tensor
         return metrics
+
+    def _with_hysteresis(self, stat: torch.Tensor, mask: Mask) -> torch.Tensor:
+        """Ours, opt-in (``optimizer.mask_hysteresis`` = γ > 0; not in the spec): the next mask's
+        statistic is ``|c|·(1+γ)`` where M_t holds a one, ``|c|`` elsewhere, so a coordinate
+        leaves the mask only for one larger by a factor. Why: m is zeroed off the mask, and
+        AdamS builds its second moment from m, so a coordinate that (re)enters takes a step of
+        lr·(1-β1)/√(1-β2) whatever its gradient (0.45·lr at β = (0.9, 0.95)) where one that
+        stays takes about lr: fewer swaps, more full steps. A copy (the fused step changes c's
+        buffer before the top-k has run)."""
+        lo, hi = self.part.ranges[self.comm.rank]
+        on_mask = mask.dense(keep=False)[lo:hi]
+        return torch.where(on_mask, stat.abs() * (1.0 + self.cfg.mask_hysteresis), stat.abs())
 
     def keep_intermediates(self, on: bool = True) -> None:
         """Tests: each engine keeps its step's intermediates (candidate, payload, ĝ...) in its

@@ -44,11 +44,11 @@ def _decayed(tab: int, rows: int, width: int, col: int) -> int:
 # kernel touches.
 TRAFFIC = {
     # g, e read, e written per element; at m's support idx, m, g, e read, e written
-    "scape_prepare_replicated": lambda nt, gtab, numels, e, m, pidx, kp, *_:
+    "scape_prepare_replicated": lambda nt, grad_table, numels, e, m, pidx, kp, *_:
         12 * sum(_i64s(numels, nt)) + 24 * kp,
-    "scape_prepare_replicated_general": lambda nt, gtab, numels, *_: 16 * sum(_i64s(numels, nt)),
+    "scape_prepare_replicated_general": lambda nt, grad_table, numels, *_: 16 * sum(_i64s(numels, nt)),
     # ... and on the own range ρ read, the candidate written; at m's support idx, m, ρ
-    "scape_prepare_sharded": lambda nt, gtab, numels, e, rho, m, pidx, kp, lo, hi, *_:
+    "scape_prepare_sharded": lambda nt, grad_table, numels, e, rho, m, pidx, kp, lo, hi, *_:
         12 * sum(_i64s(numels, nt)) + 8 * (hi - lo) + 16 * kp,
     # as the separate passes: the prepare, the payload and m gathered at M_t, m zeroed at its
     # old support
@@ -61,24 +61,24 @@ TRAFFIC = {
         + 24 * (own_b - own_a) + 12 * kp,
     "scape_gather": lambda k, *_: 16 * k,
     "scape_take": lambda k, *_: 20 * k,     # idx, src read, values and src written
-    # the payload read, ĝ written; idx and m read (or the old m at the mask read from mc,
+    # the payload read, ĝ written; idx and m read (or the old m at the mask read from m_old,
     # where it was gathered); ρ read and zeroed; the old m at the mask written
-    "scape_ghat": lambda k, idx, base, b, rho, m, mc, *_: k * (
+    "scape_ghat": lambda k, idx, base, b, rho, m, m_old, *_: k * (
         8 + (8 if m is not None or rho is not None else 0) + (4 if m is not None else 0)
-        + (8 if rho is not None else 0) + (4 if mc is not None else 0)),
+        + (8 if rho is not None else 0) + (4 if m_old is not None else 0)),
     # idx, ĝ and the old m read, θ read and written, m written; m zeroed at its old support (all
     # of m when unknown); the weight decay over the segments' other elements (θ read and
     # written; counted as its own stream)
-    "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, kz, ttab, nseg, out, *_:
-        28 * k + (4 * mlen if kz < 0 else 12 * kz)
-        + (0 if out is not None else 8 * _decayed(ttab, nseg, 7, 4)),
+    "scape_adams": lambda idx, j0, k, base, ghat, m, mlen, z, n_zero, param_table, nseg, out, *_:
+        28 * k + (4 * mlen if n_zero < 0 else 12 * n_zero)
+        + (0 if out is not None else 8 * _decayed(param_table, nseg, 7, 4)),
     # the scratch bitmap zeroed, b's indices read and their bytes written (unless b is NULL:
     # the bits given), a's read and their bytes read
     "scape_count_common": lambda a, na, b, nb, bits, nbytes:
         (nbytes + 9 * nb if b is not None else 0) + 9 * na,
-    "scape_scatter_params": lambda idx, stab, nseg, v:
-        16 * (_col_sum(stab, nseg, 8, 3) - _col_sum(stab, nseg, 8, 2))
-        + 8 * _decayed(stab, nseg, 8, 5),
+    "scape_scatter_params": lambda idx, scatter_table, nseg, v:
+        16 * (_col_sum(scatter_table, nseg, 8, 3) - _col_sum(scatter_table, nseg, 8, 2))
+        + 8 * _decayed(scatter_table, nseg, 8, 5),
 }
 
 

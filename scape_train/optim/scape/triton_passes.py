@@ -100,15 +100,17 @@ def _prepare_block(g, e_ptr, m_addr, f, keep, parts, pid, beta1, s, lo, hi, rho_
 
 
 @triton.jit
-def _prepare_kernel(blocks, gtab, e_addr, m_addr, parts, beta1, s, lo, hi, rho_addr, cand_addr,
+def _prepare_kernel(blocks, grad_table, e_addr, m_addr, parts, beta1, s, lo, hi, rho_addr,
+                    cand_addr,
                     GENERAL: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
-    """The prepare on one block of one tensor, the tensors' gradients read through ``gtab``."""
+    """The prepare on one block of one tensor, the tensors' gradients read through
+    ``grad_table``."""
     pid = tl.program_id(0)
     t = tl.load(blocks + 3 * pid)
     offs = tl.load(blocks + 3 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
     keep = offs < tl.load(blocks + 3 * pid + 2)
-    g = tl.load(_f32(tl.load(gtab + 2 * t)) + offs, mask=keep, other=0.0)
-    f = tl.load(gtab + 2 * t + 1) + offs
+    g = tl.load(_f32(tl.load(grad_table + 2 * t)) + offs, mask=keep, other=0.0)
+    f = tl.load(grad_table + 2 * t + 1) + offs
     _prepare_block(g, _f32(e_addr) + f, m_addr, f, keep, parts, pid, beta1, s, lo, hi, rho_addr,
                    cand_addr, GENERAL, CAND, False)
 
@@ -130,11 +132,11 @@ def _prepare_flat_kernel(n, g_addr, e_addr, m_addr, parts, beta1, s, lo, hi, rho
 
 
 @triton.jit
-def _prepare_fix_kernel(blocks, ptab, pidx_addr, e_addr, m_addr, parts, beta1, s,
+def _prepare_fix_kernel(blocks, support_table, pidx_addr, e_addr, m_addr, parts, beta1, s,
                         BLOCK: tl.constexpr):
     """At m's support (e_{t-1} = 0 there): e[i] ← β1·m[i] + s·g[i]; Σ (c² - old e²)."""
     pid = tl.program_id(0)
-    row = ptab + 4 * tl.load(blocks + 2 * pid)
+    row = support_table + 4 * tl.load(blocks + 2 * pid)
     j = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
     keep = j < tl.load(row + 3)
     i = tl.load(_i64(pidx_addr) + j, mask=keep, other=0)
@@ -173,12 +175,12 @@ def _gather_kernel(k, idx_addr, base, src_addr, out_addr, parts, TAKE: tl.conste
 
 
 @triton.jit
-def _ghat_kernel(k, idx_addr, base, b_addr, rho_addr, m_addr, mc_addr, parts, nb, d,
-                 HAS_RHO: tl.constexpr, HAS_M: tl.constexpr, HAS_MC: tl.constexpr,
+def _ghat_kernel(k, idx_addr, base, b_addr, rho_addr, m_addr, m_old_addr, parts, nb, d,
+                 HAS_RHO: tl.constexpr, HAS_M: tl.constexpr, HAS_M_OLD: tl.constexpr,
                  ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """ĝ = (m·(-β1) + b (+ ρ, then ρ ← 0)) / (1-β1) in place of b; m read at the mask and
-    (HAS_MC) stored to mc[j], the old momentum at the mask, for the AdamS pass; or (not HAS_M)
-    read from mc, where it was gathered; Σ ĝ²."""
+    (HAS_M_OLD) stored to m_old[j], the old momentum at the mask, for the AdamS pass; or (not HAS_M)
+    read from m_old, where it was gathered; Σ ĝ²."""
     pid = tl.program_id(0)
     j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = j < k
@@ -190,10 +192,10 @@ def _ghat_kernel(k, idx_addr, base, b_addr, rho_addr, m_addr, mc_addr, parts, nb
         tl.store(_f32(rho_addr) + i, tl.zeros_like(t), mask=keep)
     if HAS_M:
         m = tl.load(_f32(m_addr) + i, mask=keep, other=0.0)
-        if HAS_MC:
-            tl.store(_lane(_f32(mc_addr), j, ALIGNED), m, mask=keep)
+        if HAS_M_OLD:
+            tl.store(_lane(_f32(m_old_addr), j, ALIGNED), m, mask=keep)
     else:
-        m = tl.load(_lane(_f32(mc_addr), j, ALIGNED), mask=keep, other=0.0)
+        m = tl.load(_lane(_f32(m_old_addr), j, ALIGNED), mask=keep, other=0.0)
     g = tl.div_rn(m * nb + t, d)
     tl.store(_lane(_f32(b_addr), j, ALIGNED), g, mask=keep)
     tl.store(parts + pid, _sq_sum(g, keep))
@@ -226,10 +228,10 @@ def _row_decay(row, col):
 
 
 @triton.jit
-def _decay_kernel(blocks, dtab, BLOCK: tl.constexpr):
-    """θ ← θ·dec on one block of a segment (``dtab`` rows: θ's pointer, dec's bits)."""
+def _decay_kernel(blocks, decay_table, BLOCK: tl.constexpr):
+    """θ ← θ·dec on one block of a segment (``decay_table`` rows: θ's pointer, dec's bits)."""
     pid = tl.program_id(0)
-    row = dtab + 2 * tl.load(blocks + 3 * pid)
+    row = decay_table + 2 * tl.load(blocks + 3 * pid)
     offs = tl.load(blocks + 3 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
     keep = offs < tl.load(blocks + 3 * pid + 2)
     ptr = _f32(tl.load(row)) + offs
@@ -238,32 +240,32 @@ def _decay_kernel(blocks, dtab, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _adams_kernel(blocks, ttab, idx_addr, j0, base, ghat_addr, m_addr, out_addr, mc_addr,
+def _adams_kernel(blocks, param_table, idx_addr, j0, base, ghat_addr, m_addr, out_addr, m_old_addr,
                   coef_ptr, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns,
                   CLIP: tl.constexpr, HAS_OUT: tl.constexpr, BIAS: tl.constexpr,
                   BLOCK: tl.constexpr):
     """AdamS at one segment block of the mask (``scape_adams``'s arithmetic, op for op): θ
     updated (the decay pass has run), or θ·dec + the update written to out; m[i] ← m'.
-    ``mc``: m at the mask, from the ĝ pass (before m was zeroed)."""
+    ``m_old``: m at the mask, from the ĝ pass (before m was zeroed)."""
     pid = tl.program_id(0)
-    row = ttab + 7 * tl.load(blocks + 2 * pid)
+    row = param_table + 7 * tl.load(blocks + 2 * pid)
     j = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
     keep = j < tl.load(row + 3)
     i = tl.load(_i64(idx_addr) + j, mask=keep, other=0)
     g = tl.load(_f32(ghat_addr) + (j - j0), mask=keep, other=0.0)
     if CLIP:
         g = g * tl.load(coef_ptr)
-    mc = tl.load(_f32(mc_addr) + (j - j0), mask=keep, other=0.0)
+    m_old = tl.load(_f32(m_old_addr) + (j - j0), mask=keep, other=0.0)
     if BIAS == 2:
-        prev = tl.div_rn(mc, bc1)
+        prev = tl.div_rn(m_old, bc1)
     else:
-        prev = mc
+        prev = m_old
     v = prev * prev
     v = v * beta2
     gg = omb2 * g
     gg = gg * g
     v = v + gg
-    mn = mc * beta1
+    mn = m_old * beta1
     mn = mn + omb1 * g
     den = tl.sqrt_rn(v)
     if BIAS == 1:
@@ -281,10 +283,10 @@ def _adams_kernel(blocks, ttab, idx_addr, j0, base, ghat_addr, m_addr, out_addr,
 
 
 @triton.jit
-def _scatter_params_kernel(blocks, stab, idx_addr, values_addr, BLOCK: tl.constexpr):
+def _scatter_params_kernel(blocks, scatter_table, idx_addr, values_addr, BLOCK: tl.constexpr):
     """θ[idx[j] - off] ← values[src + j - a] on one segment block."""
     pid = tl.program_id(0)
-    row = stab + 8 * tl.load(blocks + 2 * pid)
+    row = scatter_table + 8 * tl.load(blocks + 2 * pid)
     j = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
     keep = j < tl.load(row + 3)
     i = tl.load(_i64(idx_addr) + j, mask=keep, other=0)
@@ -371,11 +373,11 @@ class TritonPasses:
             return self._dev(torch.stack(cols, 1).reshape(-1))
         return self._cached(("blocks", block, with_end, tuple(starts), tuple(ends)), build)
 
-    def _tensor_blocks(self, gtab: int, ntensor: int, numels: int) -> tuple:
+    def _tensor_blocks(self, grad_table: int, ntensor: int, numels: int) -> tuple:
         """(block table (tensor, start, numel), device gradient table) for a full-size pass."""
         sizes = list(_host_rows(numels, ntensor, 1))
-        _, gt = self._table(gtab, ntensor, 2)
-        return self._blocks([0] * ntensor, sizes, FULL_BLOCK, True), gt
+        _, grad_dev = self._table(grad_table, ntensor, 2)
+        return self._blocks([0] * ntensor, sizes, FULL_BLOCK, True), grad_dev
 
     def _segment_blocks(self, tab: int, nseg: int, width: int) -> tuple:
         """(block table (segment, first entry), device segment table) for a k-sized pass over
@@ -387,14 +389,14 @@ class TritonPasses:
         return torch.zeros(max(n, 1), dtype=dtype, device=self.device)
 
     # -- the passes --------------------------------------
-    def _prepare(self, ntensor, gtab, numels, e, m, s, lo=0, hi=0, rho=None, cand=None,
+    def _prepare(self, ntensor, grad_table, numels, e, m, s, lo=0, hi=0, rho=None, cand=None,
                  beta1=0.0, general=False) -> torch.Tensor:
         """One launch of the full-size prepare: the flat kernel when the gradient is one flat
         buffer (one table row at flat offset 0) and it, e and m are 16-byte aligned, else the
         table kernel; returns Σ c²."""
         kw = dict(GENERAL=general, CAND=cand is not None, BLOCK=FULL_BLOCK, **_OPTS)
         rest = (s, lo, hi, rho or 0, cand or 0)
-        row = _host_rows(gtab, 1, 2) if ntensor == 1 else None
+        row = _host_rows(grad_table, 1, 2) if ntensor == 1 else None
         if row is not None and row[1] == 0 and _aligned(row[0], e, m or 0):
             n = _host_rows(numels, 1, 1)[0]
             nblk = triton.cdiv(n, FULL_BLOCK)
@@ -403,33 +405,34 @@ class TritonPasses:
                 run(_prepare_flat_kernel, (nblk,), n, row[0], e, m or 0, parts, beta1, *rest,
                     **kw)
             return parts.sum()
-        blocks, gt = self._tensor_blocks(gtab, ntensor, numels)
+        blocks, grad_dev = self._tensor_blocks(grad_table, ntensor, numels)
         nblk = blocks.numel() // 3
         parts = self._parts(nblk)
         if nblk:
-            run(_prepare_kernel, (nblk,), blocks, gt, e, m or 0, parts, beta1, *rest, **kw)
+            run(_prepare_kernel, (nblk,), blocks, grad_dev, e, m or 0, parts, beta1, *rest, **kw)
         return parts.sum()
 
-    def scape_prepare_replicated_general(self, ntensor, gtab, numels, e, m, beta1, s):
-        return self._prepare(ntensor, gtab, numels, e, m, s, beta1=beta1, general=True)
+    def scape_prepare_replicated_general(self, ntensor, grad_table, numels, e, m, beta1, s):
+        return self._prepare(ntensor, grad_table, numels, e, m, s, beta1=beta1, general=True)
 
-    def _add_scaled_grads(self, ntensor, gtab, numels, e, s, lo=0, hi=0, rho=None, cand=None
+    def _add_scaled_grads(self, ntensor, grad_table, numels, e, s, lo=0, hi=0, rho=None, cand=None
                           ) -> torch.Tensor:
-        return self._prepare(ntensor, gtab, numels, e, None, s, lo, hi, rho, cand)
+        return self._prepare(ntensor, grad_table, numels, e, None, s, lo, hi, rho, cand)
 
-    def scape_prepare_replicated(self, ntensor, gtab, numels, e, m, pidx, kp, ptab, npseg,
+    def scape_prepare_replicated(self, ntensor, grad_table, numels, e, m, pidx, kp, support_table,
+                                 npseg,
                                  beta1, s):
-        sq = self._add_scaled_grads(ntensor, gtab, numels, e, s)
-        blocks, pt = self._segment_blocks(ptab, npseg, 4)
+        sq = self._add_scaled_grads(ntensor, grad_table, numels, e, s)
+        blocks, support_dev = self._segment_blocks(support_table, npseg, 4)
         nblk = blocks.numel() // 2
         if nblk:
             parts = self._parts(nblk)
-            run(_prepare_fix_kernel, (nblk,), blocks, pt, pidx, e, m, parts, beta1, s,
+            run(_prepare_fix_kernel, (nblk,), blocks, support_dev, pidx, e, m, parts, beta1, s,
                 BLOCK=K_BLOCK, **_OPTS)
             sq = sq + parts.sum()
         return sq
 
-    def scape_prepare_sharded(self, ntensor, gtab, numels, e, rho, m, pidx_own, kp, lo, hi,
+    def scape_prepare_sharded(self, ntensor, grad_table, numels, e, rho, m, pidx_own, kp, lo, hi,
                               cand, beta1, s):
         if kp:       # first: the candidate reads ρ
             def launch(a, n, _parts):
@@ -437,32 +440,34 @@ class TritonPasses:
                 run(_rho_kernel, (triton.cdiv(n, K_BLOCK),), i, n, rho, m, beta1,
                     ALIGNED=_aligned(i), BLOCK=K_BLOCK, **_OPTS)
             self._over_k(kp, launch, sums=False)
-        return self._add_scaled_grads(ntensor, gtab, numels, e, s, lo, hi, rho, cand)
+        return self._add_scaled_grads(ntensor, grad_table, numels, e, s, lo, hi, rho, cand)
 
-    def scape_prepare_gather(self, total, g, e, m, pidx, kp, idx, k, payload, mc, beta1, s):
+    def scape_prepare_gather(self, total, g, e, m, pidx, kp, idx, k, payload, m_old, beta1, s):
         """The prepare with m's support known, the payload and m gathered at M_t, m zeroed on
         its old support, as launches in a row; returns Σ c² off
         M_t."""
-        gtab, numels = traffic.table([[g, 0]], 2), host_table([total])
-        ptab = traffic.table([[g, 0, 0, kp]], 4)
-        sq = self.scape_prepare_replicated(1, traffic.ptr(gtab), traffic.ptr(numels), e, m, pidx,
-                                           kp, traffic.ptr(ptab), 1 if kp else 0, beta1, s)
+        grad_table, numels = traffic.table([[g, 0]], 2), host_table([total])
+        support_table = traffic.table([[g, 0, 0, kp]], 4)
+        sq = self.scape_prepare_replicated(1, traffic.ptr(grad_table), traffic.ptr(numels), e, m,
+                                           pidx,
+                                           kp, traffic.ptr(support_table), 1 if kp else 0, beta1, s)
         sq = sq - self.scape_gather(k, idx, 0, e, payload)
-        self._gather(k, idx, 0, m, mc, False)
+        self._gather(k, idx, 0, m, m_old, False)
         if kp:
             self._fill(m, pidx, kp, 0.0)
         return sq
 
     def scape_prepare_take(self, total, g, x, rho, m, pidx, kp, lo, hi, cand, idx, k, rows,
-                           nrows, send, own_a, own_b, mc, rho_at, beta1, s):
+                           nrows, send, own_a, own_b, m_old, rho_at, beta1, s):
         """The sharded prepare, the owner's m and ρ gathered at its entries (ρ then zeroed), m
-        zeroed on its old support, the payload's rows taken, as launches in a row; returns Σ ε² of the new ε."""
-        gtab, numels = traffic.table([[g, 0]], 2), host_table([total])
-        sq = self.scape_prepare_sharded(1, traffic.ptr(gtab), traffic.ptr(numels), x, rho, m,
+        zeroed on its old support, the payload's rows taken, as launches in a row; returns
+        Σ ε² of the new ε."""
+        grad_table, numels = traffic.table([[g, 0]], 2), host_table([total])
+        sq = self.scape_prepare_sharded(1, traffic.ptr(grad_table), traffic.ptr(numels), x, rho, m,
                                         pidx, kp, lo, hi, cand, beta1, s)
         n_own = own_b - own_a
         if n_own:
-            self._gather(n_own, idx + 8 * own_a, lo, m, mc, False)
+            self._gather(n_own, idx + 8 * own_a, lo, m, m_old, False)
             self._gather(n_own, idx + 8 * own_a, lo, rho, rho_at, True)   # and ρ ← 0 there
         if kp:
             self._fill(m, pidx, kp, 0.0)
@@ -502,14 +507,14 @@ class TritonPasses:
                 TAKE=take, ALIGNED=_aligned(i, v), BLOCK=K_BLOCK)
         return self._over_k(k, launch)
 
-    def scape_ghat(self, k, idx, base, b, rho, m, mc, beta1, d):
+    def scape_ghat(self, k, idx, base, b, rho, m, m_old, beta1, d):
         def launch(a, n, parts):
-            i, bb, mm = (idx or 0) + 8 * a, b + 4 * a, (mc or 0) + 4 * a   # idx: None with
-            # neither ρ nor m (the old m read from mc)
+            i, bb, mm = (idx or 0) + 8 * a, b + 4 * a, (m_old or 0) + 4 * a   # idx: None with
+            # neither ρ nor m (the old m read from m_old)
             run(_ghat_kernel, (triton.cdiv(n, K_BLOCK),), n, i, base, bb, rho or 0, m or 0,
-                mm if mc else 0, parts, -beta1, d, HAS_RHO=rho is not None,
-                HAS_M=m is not None, HAS_MC=mc is not None,
-                ALIGNED=_aligned(i if idx else 0, bb, mm if mc else 0), BLOCK=K_BLOCK,
+                mm if m_old else 0, parts, -beta1, d, HAS_RHO=rho is not None,
+                HAS_M=m is not None, HAS_M_OLD=m_old is not None,
+                ALIGNED=_aligned(i if idx else 0, bb, mm if m_old else 0), BLOCK=K_BLOCK,
                 **_OPTS)
         return self._over_k(k, launch)
 
@@ -522,28 +527,29 @@ class TritonPasses:
                if rows[q + col + 2] != ONE_BITS and rows[q + col + 1] > rows[q + col]]
         if not sel:
             return
-        dt = self._cached(("decay", tuple((r[0], r[col + 2]) for r in sel)), lambda: self._dev(
-            [v for r in sel for v in (r[0], r[col + 2])]))
+        decay_dev = self._cached(("decay", tuple((r[0], r[col + 2]) for r in sel)),
+                                 lambda: self._dev([v for r in sel for v in (r[0], r[col + 2])]))
         blocks = self._blocks([r[col] for r in sel], [r[col + 1] for r in sel], FULL_BLOCK,
                               True)
-        run(_decay_kernel, (blocks.numel() // 3,), blocks, dt, BLOCK=FULL_BLOCK, **_OPTS)
+        run(_decay_kernel, (blocks.numel() // 3,), blocks, decay_dev, BLOCK=FULL_BLOCK, **_OPTS)
 
-    def scape_adams(self, idx, j0, k, base, ghat, m, mlen, zidx, kz, ttab, nseg, out, mc,
+    def scape_adams(self, idx, j0, k, base, ghat, m, mlen, zidx, n_zero, param_table, nseg, out,
+                    m_old,
                     coef, clip, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, bias):
         if out is None:      # the off-mask update (and the first half of the on-mask one)
-            self._decay(ttab, nseg, 7, 4)
-        if kz < 0:
+            self._decay(param_table, nseg, 7, 4)
+        if n_zero < 0:
             run(_zero_kernel, (triton.cdiv(mlen, FULL_BLOCK),), m, mlen, ALIGNED=_aligned(m),
                 BLOCK=FULL_BLOCK)
-        elif kz:
-            self._fill(m, zidx, kz, 0.0)
-        blocks, tt = self._segment_blocks(ttab, nseg, 7)
+        elif n_zero:
+            self._fill(m, zidx, n_zero, 0.0)
+        blocks, param_dev = self._segment_blocks(param_table, nseg, 7)
         nblk = blocks.numel() // 2
         if not nblk:
             return
         if not isinstance(coef, torch.Tensor):     # filled on the device: no host copy
             coef = torch.full((1,), coef, dtype=torch.float32, device=self.device)
-        run(_adams_kernel, (nblk,), blocks, tt, idx, j0, base, ghat, m, out or 0, mc,
+        run(_adams_kernel, (nblk,), blocks, param_dev, idx, j0, base, ghat, m, out or 0, m_old,
             coef.reshape(1).to(torch.float32), beta1, beta2, omb1, omb2,
             bc1, sqrt_bc2, eps, ns, CLIP=bool(clip), HAS_OUT=out is not None,
             BIAS=int(bias), BLOCK=K_BLOCK, **_OPTS)
@@ -555,12 +561,12 @@ class TritonPasses:
                 ALIGNED=_aligned(i), BLOCK=K_BLOCK)
         return self._over_k(k, launch)
 
-    def scape_scatter_params(self, idx, stab, nseg, values):
-        self._decay(stab, nseg, 8, 5)       # first: the scatter overwrites the mask positions
-        blocks, st = self._segment_blocks(stab, nseg, 8)
+    def scape_scatter_params(self, idx, scatter_table, nseg, values):
+        self._decay(scatter_table, nseg, 8, 5)   # first: the scatter overwrites the mask positions
+        blocks, scatter_dev = self._segment_blocks(scatter_table, nseg, 8)
         nblk = blocks.numel() // 2
         if nblk:
-            run(_scatter_params_kernel, (nblk,), blocks, st, idx, values, BLOCK=K_BLOCK)
+            run(_scatter_params_kernel, (nblk,), blocks, scatter_dev, idx, values, BLOCK=K_BLOCK)
 
     def scape_count_common(self, a, na, b, nb, bits, nbytes):
         """The overlap count: the bitmap zeroed (``nbytes``: whole 16-byte words) and ``b``'s
