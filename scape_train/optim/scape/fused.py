@@ -366,7 +366,7 @@ class FusedReplicatedScape(_FusedEngine):
 
     def prepare(self, g, mask: Mask | None, counts: list[list[int]] | None = None
                 ) -> torch.Tensor:
-        """``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
+        """§2 line 1: ``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
         ``p.grad``, consumed: scaled in place), or the flat gradient on the reference path. The
         residual fold ``e = (1-M)⊙c`` happens in :meth:`finish_step`, after the top-k read ``c``."""
         beta1 = self.cfg.betas[0]
@@ -419,7 +419,7 @@ class FusedReplicatedScape(_FusedEngine):
 
     def update(self, mask: Mask, lr: float, step: int, counts: list[list[int]],
                during_payload=None) -> tuple[dict, object]:
-        """The reference's update, O(k); ``during_payload`` (the next mask's top-k, which reads
+        """§2 lines 2, 4-7, O(k); ``during_payload`` (the next mask's top-k, which reads
         the candidate only) runs while the payload's all-reduce is in flight, and what it
         returned comes back beside the metrics."""
         cfg, c = self.cfg, self._c
@@ -500,7 +500,7 @@ class FusedReplicatedScape(_FusedEngine):
         return {"grad_norm": norm, "scape/payload_numel": float(k)}, overlapped
 
     def finish_step(self) -> dict[str, torch.Tensor]:
-        """After the next mask's top-k: ``e[M] ← 0`` (O(k)) and the residual-norm metric."""
+        """§2 line 3 after the next mask's top-k: ``e[M] ← 0`` (O(k)); the residual norm."""
         c_sq, self._c_sq = self._c_sq, None
         cut, self._cut = self._cut, None
         if self._zero_pending:
@@ -541,8 +541,8 @@ class FusedShardedScape(_FusedEngine):
 
     def prepare(self, g, mask: Mask | None, counts: list[list[int]] | None = None
                 ) -> torch.Tensor:
-        """``ε ← x = (1-β1)·g + ε`` (``g``: per-tensor gradients, consumed), ``ρ ← base``;
-        returns ``c^(o) = base + x`` on the own range."""
+        """§3's prepare: ``ε ← x = (1-β1)·g + ε`` (``g``: per-tensor gradients, consumed),
+        ``ρ ← base``; returns ``c^(o) = base + x`` on the own range."""
         beta1 = self.cfg.betas[0]
         eps_ = self.state.residual.tensor()
         lib = self._passes(g) if self._pidx is not None else None
@@ -599,7 +599,7 @@ class FusedShardedScape(_FusedEngine):
 
     def update(self, mask: Mask, lr: float, step: int, seg_counts: list[list[int]],
                during_payload=None) -> tuple[dict, object]:
-        """The reference's update, O(k); ``during_payload`` runs while the payload's
+        """§3's update, O(k); ``during_payload`` runs while the payload's
         reduce-scatter is in flight (it reads the owner's candidate, a buffer of its own)."""
         cfg, x, comm = self.cfg, self._x, self.comm
         assert x is not None, "prepare() first"
