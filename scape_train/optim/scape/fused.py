@@ -125,6 +125,7 @@ class _FusedEngine:
         self.codec = PayloadCodec(cfg.payload_dtype, backend)
         self.record = False          # tests: keep this step's intermediates in ``last``
         self.last: dict[str, torch.Tensor] = {}
+        self._lib = passes.lib(backend, state.m)    # the Triton passes, or None: chosen once
         self._pidx: torch.Tensor | None = None      # previous mask's indices (m's support)
         self._idx: torch.Tensor | None = None
         self._plans: dict[tuple, tuple] = {}
@@ -201,7 +202,7 @@ class _FusedEngine:
         if grads is not None and not all(g.dtype == torch.float32 and g.is_contiguous()
                                          for g in grads):
             return None
-        return passes.lib(self.backend, self.state.m)
+        return self._lib
 
     def _grad_table(self, grads: list[torch.Tensor]) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Where the prepare reads g: the number of rows, (pointer, flat offset) per row, the
