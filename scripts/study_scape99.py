@@ -102,6 +102,8 @@ CANDIDATES = {c.name: c for c in [
        payload="fp8_e4m3", warmup=0.0),
     _s("s99_fp8_d10_now_lr1", "d 0.1, fp8 payload, no warm-up", 1e-3, density=0.1,
        payload="fp8_e4m3", warmup=0.0),
+    _s("s99_fp8_d10_now_lr4", "d 0.1, fp8 payload, no warm-up", 4e-3, density=0.1,
+       payload="fp8_e4m3", warmup=0.0),
     _s("s99_bf16_d05_now", "d 0.05, bf16 payload, no warm-up", 2e-3, density=0.05,
        payload="bf16", warmup=0.0),
     _s("s99_fp32_d03_now", "d 0.03, fp32 payload, no warm-up", 4e-3, density=0.03, warmup=0.0),
