@@ -374,7 +374,7 @@ def scale_check(results) -> dict:
 
 def render_scale(scale: dict, fig_rel: str) -> str:
     lines = [S_BEGIN, "", "## At a larger scale (issue 24 item 5)", "",
-             "Seed 0, each candidate at its lr from the search, on a model larger than the "
+             "Seed 0, each candidate at the lr in its row, on a model larger than the "
              "search's (`study_quality.SHAPES`; the same data, tokens per step, vocabulary and "
              "lr schedule). Gaps are to dense AdamS on the same model.", "",
              "| model | candidate | lr | steps | final val loss | gap to AdamS | MB sent per rank "
@@ -401,7 +401,7 @@ def plot_scale(scale: dict, path: Path) -> None:
     for r in scale["rows"]:
         if r["val_loss"]:
             xs, ys = zip(*r["val_loss"])
-            ax.plot(xs, ys, "o-", ms=3, label=f"{r['label']} ({r['shape']})")
+            ax.plot(xs, ys, "o-", ms=3, label=f"{r['label']}, lr {r['lr']:g} ({r['shape']})")
     ax.set(xlabel="step", ylabel="validation loss (seed 0)", title="At a larger scale")
     ax.set_ylim(top=min(ax.get_ylim()[1], 7.0))
     ax.legend(fontsize=7)
