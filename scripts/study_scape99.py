@@ -244,13 +244,18 @@ def render(summary: dict, fig_rel: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict, path: Path) -> None:
+def _axes(size: tuple[float, float]):
+    """A figure and its axes, drawn without a display."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    return plt.subplots(figsize=size, dpi=110)
+
+
+def plot(summary: dict, path: Path) -> None:
+    fig, ax = _axes((7.5, 4.5))
     for r in summary["rows"]:
         if r["seed0"] is None or not r["sent_bytes"]:
             continue
@@ -322,12 +327,7 @@ def render_frontier(front: dict, fig_rel: str) -> str:
 
 
 def plot_frontier(front: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    fig, ax = _axes((8, 5))
     for family, _ in FAMILIES:
         pts = sorted((q for q in front["points"] if q["family"] == family),
                      key=lambda q: q["sent_bytes"])
@@ -392,12 +392,7 @@ def render_scale(scale: dict, fig_rel: str) -> str:
 
 
 def plot_scale(scale: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    fig, ax = _axes((7.5, 4.5))
     for r in scale["rows"]:
         if r["val_loss"]:
             xs, ys = zip(*r["val_loss"])

@@ -32,8 +32,9 @@ also what the kernels are tested against (tests/test_triton_passes.py).
 
 The engines work on the reference engine's state (:class:`.state.ScapeState`); the strategy
 runs the reference engine instead for what they do not cover (:func:`fuses`: offloaded residuals,
-walked in host chunks; a low-precision payload in sharded mode) and for steps at a density where
-the full-size passes are cheaper (:meth:`_FusedEngine.accepts`).
+walked in host chunks) and for steps at a density where the full-size passes are cheaper
+(:meth:`_FusedEngine.accepts`). A low-precision payload takes the torch ops below, not the
+Triton passes.
 """
 
 from __future__ import annotations
