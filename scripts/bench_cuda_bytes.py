@@ -10,13 +10,14 @@ Two variants of its fused step are counted:
 - ``torch ops``: ``use_triton=off`` -- the fused engine's torch ops (what CUDA ran before the
   Triton passes);
 - ``Triton``: ``use_triton=on`` -- the Triton passes (``optim/scape/triton_passes.py``) and the
-  Triton mask and payload kernels, run here by Triton's interpreter (``TRITON_INTERPRET=1``) on
-  CPU tensors. The interpreter is slow, so the model is a ~7M-parameter Llama, not
-  bench_optim's 50M (bytes per parameter hardly depend on the size at a fixed density).
+  Triton mask kernels (the payload codec is torch ops on every device), run here by Triton's
+  interpreter (``TRITON_INTERPRET=1``) on CPU tensors. The interpreter is slow, so the model is
+  a ~7M-parameter Llama, not bench_optim's 50M (bytes per parameter hardly depend on the size
+  at a fixed density).
 Beside them, for scale: the CPU path (torch ops, host reads on) and dense AdamS.
 
 What is counted (``profiling.DeviceOpCounter``): every dispatched torch op's inputs and outputs,
-and every Triton pass by the elements it reads and writes (``traffic.TRAFFIC``) -- logical
+and every Triton pass by the elements it reads and writes (counted in ``triton_passes.TritonPasses``) -- logical
 bytes, not DRAM sectors: on a GPU a k-sized gather reads whole 32-byte sectors, so at d = 0.1
 scattered 4-byte reads can cost up to 8x their count. SCAPE runs as rank 0 of ``--world``
 ranks with local stand-ins for the collectives (bench_optim's ``LocalComm``); the split gives

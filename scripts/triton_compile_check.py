@@ -8,7 +8,7 @@ code the compiler refuses -- e.g. arithmetic on a ``constexpr`` it cannot lower,
 of the wrong width -- so the tests alone do not prove the kernels build for the GPU. This runs
 Triton's front end and its lowering to PTX (and, with ``--stage cubin``, ptxas, which the triton
 wheel carries) for every kernel and every ``constexpr`` variant the launchers use, with argument
-types as the launchers pass them (raw addresses as i64, tensors as pointers). No GPU, no launch:
+types as the launchers pass them (sizes as i64, tensors as pointers). No GPU, no launch:
 it says nothing about speed or results on the device. Exit status 1 if any variant fails.
 """
 
@@ -32,62 +32,55 @@ from triton.compiler import ASTSource  # noqa: E402
 from scape_train.optim.scape import triton_codecs as tc  # noqa: E402
 from scape_train.optim.scape import triton_kernels as tk  # noqa: E402
 from scape_train.optim.scape import triton_passes as tp  # noqa: E402
-from scape_train.optim.scape import triton_payload as tpl  # noqa: E402
 
-A, P64, F64, F32, U8 = "i64", "*i64", "*fp64", "*fp32", "*u8"   # an address, tensor pointers
+A, P64, F64, F32, U8 = "i64", "*i64", "*fp64", "*fp32", "*u8"   # a size or offset, tensor pointers
 
 
 def variants() -> list[tuple]:
     """(kernel, argument types, constexprs) for every variant the launchers use."""
     kb, fb = {"BLOCK": tp.K_BLOCK}, {"BLOCK": tp.FULL_BLOCK}
     out = []
+    f32s = lambda *names: {n: F32 for n in names}     # noqa: E731
     for general, cand in ((True, False), (False, False), (False, True)):
-        out.append((tp._prepare_kernel, dict(blocks=P64, grad_table=P64, e_addr=A, m_addr=A,
-                                              parts=F64, beta1="fp32", s="fp32", lo=A, hi=A,
-                                              rho_addr=A, cand_addr=A),
+        out.append((tp._prepare_kernel, dict(blocks=P64, grad_table=P64, **f32s("e", "m"),
+                                             parts=F64, beta1="fp32", s="fp32", lo=A, hi=A,
+                                             **f32s("rho", "cand")),
                     {"GENERAL": general, "CAND": cand, **fb}))
-        # over one flat gradient buffer: n divisible by 16 (as Triton specializes it at a
-        # launch); the PTX must show 16-byte accesses
-        out.append((tp._prepare_flat_kernel, dict(n=A, g_addr=A, e_addr=A, m_addr=A, parts=F64,
-                                                   beta1="fp32", s="fp32", lo=A, hi=A,
-                                                   rho_addr=A, cand_addr=A),
-                    {"GENERAL": general, "CAND": cand, **fb}, {"divisible": ("n", "parts"),
-                                                                "vector_loads": True}))
-    out.append((tp._prepare_fix_kernel, dict(blocks=P64, support_table=P64, pidx_addr=A, e_addr=A,
-                                             m_addr=A, parts=F64, beta1="fp32", s="fp32"), kb))
-    vec = {"vector_loads": True, "divisible": ("k", "n")}
-    for al in (False, True):      # ALIGNED: the launcher found the contiguous streams aligned
-        kba, fba = {**kb, "ALIGNED": al}, {**fb, "ALIGNED": al}
-        want = (vec,) if al else ()
-        out.append((tp._rho_kernel, dict(pidx_addr=A, k=A, rho_addr=A, m_addr=A, beta1="fp32"),
-                    kba, *want))
+        # over one flat gradient buffer: n and the tensors divisible by 16 (as Triton
+        # specializes them at a launch); the PTX must show 16-byte accesses
+        out.append((tp._prepare_flat_kernel, dict(n=A, **f32s("g", "e", "m"), parts=F64,
+                                                  beta1="fp32", s="fp32", lo=A, hi=A,
+                                                  **f32s("rho", "cand")),
+                    {"GENERAL": general, "CAND": cand, **fb},
+                    {"divisible": ("n", "g", "e", "m", "parts"), "vector_loads": True}))
+    out.append((tp._prepare_fix_kernel, dict(blocks=P64, support_table=P64, pidx=P64,
+                                             **f32s("e", "m"), parts=F64, beta1="fp32",
+                                             s="fp32"), kb))
+    for al in (False, True):      # aligned: the streams' tensors and k divisible by 16
+        want = ({"vector_loads": True, "divisible": ("k", "n", "idx", "pidx", "out", "b",
+                                                     "m_old", "parts")},) if al else ()
+        out.append((tp._rho_kernel, dict(pidx=P64, k=A, **f32s("rho", "m"), beta1="fp32"),
+                    kb, *want))
         for take in (False, True):
-            out.append((tp._gather_kernel, dict(k=A, idx_addr=A, base=A, src_addr=A,
-                                                out_addr=A, parts=F64), {"TAKE": take, **kba},
-                        *want))
-        for has_rho in (False, True):
-            out.append((tp._ghat_kernel, dict(k=A, idx_addr=A, base=A, b_addr=A, rho_addr=A,
-                                              m_addr=A, m_old_addr=A, parts=F64, nb="fp32",
-                                              d="fp32"),
-                        {"HAS_RHO": has_rho, "HAS_M": True, "HAS_M_OLD": True, **kba}, *want))
-        out.append((tp._ghat_kernel, dict(k=A, idx_addr=A, base=A, b_addr=A, rho_addr=A,
-                                          m_addr=A, m_old_addr=A, parts=F64, nb="fp32", d="fp32"),
-                    {"HAS_RHO": False, "HAS_M": False, "HAS_M_OLD": True, **kba}, *want))
-        out.append((tp._fill_kernel, dict(dst_addr=A, idx_addr=A, k=A, value="fp32",
-                                          parts=F64), kba, *want))
-        out.append((tp._zero_kernel, dict(dst_addr=A, n=A), fba))   # stores only
-        out.append((tp._mark_bits_kernel, dict(idx_addr=A, k=A, words_addr=A), kba, *want))
-        out.append((tp._count_bits_kernel, dict(idx_addr=A, k=A, words_addr=A, parts=P64), kba,
+            out.append((tp._gather_kernel, dict(k=A, idx=P64, base=A, **f32s("src", "out"),
+                                                parts=F64), {"TAKE": take, **kb}, *want))
+        for has_rho, has_m in ((False, True), (True, True), (False, False)):
+            out.append((tp._ghat_kernel, dict(k=A, idx=P64, base=A, **f32s("b", "rho", "m",
+                                                                            "m_old"),
+                                              parts=F64, nb="fp32", d="fp32"),
+                        {"HAS_RHO": has_rho, "HAS_M": has_m, **kb}, *want))
+        out.append((tp._fill_kernel, dict(dst=F32, idx=P64, k=A, value="fp32"), kb, *want))
+        out.append((tp._mark_bits_kernel, dict(idx=P64, k=A, words="*i32"), kb, *want))
+        out.append((tp._count_bits_kernel, dict(idx=P64, k=A, words="*i32", parts=P64), kb,
                     *want))
     scal = {n: "fp32" for n in ("beta1", "beta2", "omb1", "omb2", "bc1", "sqrt_bc2", "eps", "ns")}
     for clip, has_out, bias in ((True, False, 1), (False, True, 2), (True, True, 0)):
-        out.append((tp._adams_kernel, dict(blocks=P64, param_table=P64, idx_addr=A, j0=A, base=A,
-                                           ghat_addr=A, m_addr=A, out_addr=A, m_old_addr=A,
-                                           coef_ptr=F32, **scal),
+        out.append((tp._adams_kernel, dict(blocks=P64, param_table=P64, idx=P64, j0=A, base=A,
+                                           **f32s("ghat", "m", "out", "m_old", "coef"), **scal),
                     {"CLIP": clip, "HAS_OUT": has_out, "BIAS": bias, **kb}))
-    out.append((tp._scatter_params_kernel, dict(blocks=P64, scatter_table=P64, idx_addr=A,
-                                                values_addr=A), kb))
-    out.append((tp._decay_kernel, dict(blocks=P64, decay_table=P64), fb))
+    out.append((tp._scatter_params_kernel, dict(blocks=P64, param_table=P64, idx=P64,
+                                                values=F32), kb))
+    out.append((tp._decay_kernel, dict(blocks=P64, param_table=P64), fb))
     # the mask-bit kernels (kernels.py's Triton backend)
     out.append((tk._pack_kernel, dict(mask_ptr=U8, out_ptr=U8, n=A, nbytes=A),
                 {"BLOCK_BYTES": tk.PACK_BLOCK_BYTES}))
@@ -100,7 +93,7 @@ def variants() -> list[tuple]:
                                             out_ptr="*i32", n=A), pk))
         out.append((tk._scatter_kernel, dict(payload_ptr="*i32", mask_ptr=U8, starts_ptr=P64,
                                              out_ptr="*i32", n=A), pk))
-    # the mask codings and the payload codec
+    # the mask codings
     for packed in (False, True):
         out.append((tc._count_kernel, dict(src_ptr=U8, tab_ptr=P64, counts_ptr=P64),
                     {"PACKED": packed, "BLOCK": tc.BLOCK}))
@@ -113,18 +106,6 @@ def variants() -> list[tuple]:
     out.append((tc._decode_direct_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64,
                                                words_ptr="*i32", idx_ptr=P64),
                 {"BLOCK": tc.BLOCK}))
-    out.append((tpl._bf16_encode_kernel, dict(x_ptr="*i32", out_ptr="*i16", n=A),
-                {"BLOCK": tpl.BLOCK}))
-    out.append((tpl._bf16_decode_kernel, dict(h_ptr="*i16", out_ptr="*i32", n=A),
-                {"BLOCK": tpl.BLOCK}))
-    for name, fmt in tpl._FP8.items():
-        out.append((tpl._fp8_encode_kernel, dict(x_ptr="*i32", out_ptr=U8, n=A, nblocks=A,
-                                                 tiles=A, row_bytes=A),
-                    {**fmt, "HEADROOM": 8 if name == "fp8_e4m3" else 15,
-                     "GROUPS": tpl.SCALE_GROUPS, "SCALE_BLOCK": tpl.SCALE_BLOCK}))
-        out.append((tpl._fp8_decode_kernel, dict(b_ptr=U8, out_ptr="*i32", n=A, nblocks=A,
-                                                 tiles=A, row_stride=A),
-                    {**fmt, "GROUPS": tpl.SCALE_GROUPS, "SCALE_BLOCK": tpl.SCALE_BLOCK}))
     return out
 
 

@@ -13,8 +13,8 @@ from scape_train.optim import build_optimizer
 from scape_train.comm import Comm
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.density import density_at, segment_k
-from scape_train.optim.scape.kernels import pack_bits
-from scape_train.optim.scape.traffic import bits_bytes
+from scape_train.optim.scape.kernels import pack_bits, select_passes
+from scape_train.optim.scape.mask_format import bits_bytes
 from scape_train.optim.scape.masks import Mask, MaskExchange, overlap, topk_own_mask
 from scape_train.optim.scape.partition import ParamLayout, build_partition
 
@@ -280,10 +280,10 @@ def test_overlap_from_the_index_lists_equals_the_full_size_and(path):
              (base, torch.zeros(0, dtype=torch.int64)), (base[:0], base),
              (base[::3].clone(), torch.arange(n - 1, dtype=torch.int64)),
              (torch.tensor([n - 1]), torch.tensor([0, n - 1]))]
-    backend = path
+    lib = select_passes(path, torch.device("cpu"))
     for a, b in cases:
         want = int((mask_of(a).dense() & mask_of(b).dense()).sum())
-        got = overlap(mask_of(a), mask_of(b), backend)
+        got = overlap(mask_of(a), mask_of(b), lib)
         assert isinstance(got, torch.Tensor) and int(got) == want, (a.numel(), b.numel())
     # the previous mask's packed bits from its decode: the lookups alone
     for a, b in cases:
@@ -293,8 +293,8 @@ def test_overlap_from_the_index_lists_equals_the_full_size_and(path):
         packed = pack_bits(mask_of(b).dense(), backend="torch")
         bits[:packed.numel()] = packed
         want = int((mask_of(a).dense() & mask_of(b).dense()).sum())
-        assert int(overlap(mask_of(a), Mask(n, indices=b, bits=bits), backend)) == want
+        assert int(overlap(mask_of(a), Mask(n, indices=b, bits=bits), lib)) == want
     # one side held only as a bool mask: the full-size AND
     a, b = cases[0]
-    assert int(overlap(mask_of(a), Mask.of(mask_of(b).dense()), backend)) == int(
+    assert int(overlap(mask_of(a), Mask.of(mask_of(b).dense()), lib)) == int(
         (mask_of(a).dense() & mask_of(b).dense()).sum())

@@ -1,5 +1,5 @@
 """The fused step's Triton passes (``triton_passes.py``), run here under ``TRITON_INTERPRET=1``
-(tests/conftest.py) through the seam the engine uses (``passes.lib``; ``use_triton=on`` picks them
+(tests/conftest.py) through the seam the engine uses (``kernels.select_passes``; ``use_triton=on`` picks them
 on CPU tensors), against the engine's torch ops: masks exactly, parameters, momentum and
 residuals to the fused step's tolerance (tests/test_scape_fused.py: the kernels round division
 and square root correctly, where torch's vectorized ``sqrt`` may be 1 ulp off, and add their
@@ -9,13 +9,11 @@ the host after step 1.
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 from scape_train.optim.config import OptimizerConfig
-from scape_train.optim.scape import passes, traffic
+from scape_train.optim.scape.kernels import select_passes
 from scape_train.profiling import DeviceOpCounter
 
 from ._dist import run_distributed
@@ -58,8 +56,14 @@ def _assert_same(tri: dict, ref: dict) -> None:
 @pytest.mark.parametrize("bias_correction", ["adam", "official", "none"])
 def test_triton_passes_equal_the_torch_ops(sharded, bias_correction):
     _assert_same(*_triton_vs_torch(0, sharded=sharded, bias_correction=bias_correction))
-    assert any(name.startswith("scape_") for lib in passes._triton_libs.values()
-               for name in vars(lib)), "the Triton passes did not run"
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_passes_ran_and_were_counted(sharded):
+    from scape_train.profiling import DeviceOpCounter
+
+    with DeviceOpCounter() as ops:
+        _run(_cfg("on", sharded=sharded, density_warmup_steps=0), 0, 3)
+    assert ops.ops.get("triton::adams", 0) >= 2 and ops.kernel_bytes["adams"] > 0, dict(ops.ops)
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -116,9 +120,9 @@ def test_triton_passes_read_nothing_back_to_the_host(sharded):
     for steps in run_distributed(_sync_worker, 2, (sharded,)):
         for syncs, calls in steps[1:]:
             assert syncs == {}
-            assert calls.get("triton::scape_adams", 0) >= 1     # the passes ran, and were counted
+            assert calls.get("triton::adams", 0) >= 1     # the passes ran, and were counted
             # one flat gradient, the decoded indices: the prepare's walk takes the payload
-            walk = "scape_prepare_take" if sharded else "scape_prepare_gather"
+            walk = "prepare_take" if sharded else "prepare_gather"
             assert calls.get(f"triton::{walk}", 0) == 1, calls
 
 
@@ -143,43 +147,30 @@ def test_every_triton_kernel_compiles_for_sm90(tmp_path):
 @pytest.mark.parametrize("k", [1024, 2500])
 def test_k_sized_passes_over_whole_blocks_and_a_tail(k):
     """The k-sized passes launch the whole blocks and the tail block apart (aligned 16-byte
-    streams on a GPU): each equals its torch ops at sizes with and without a tail, from an
-    offset start too (an unaligned stream takes the scalar variant)."""
-    lib = passes.lib("triton", torch.zeros(1))
+    streams on a GPU): each equals its torch ops at sizes with and without a tail, on views at
+    an offset too (an unaligned stream takes the scalar variant)."""
+    lib = select_passes("triton", torch.device("cpu"))
     gen = torch.Generator().manual_seed(k)
     n = 4 * k + 7
-    for start in (0, 1):                         # idx + 8: not 16-byte aligned
+    for start in (0, 1):                         # idx[1:]: not 16-byte aligned
         idx = torch.randperm(n, generator=gen)[:k + start].sort().values
         at = idx[start:]
         s = torch.randn(n, generator=gen)
         m = torch.randn(n, generator=torch.Generator().manual_seed(1))
         s0, vals, m_old = s.clone(), torch.empty(k + start), torch.empty(k + start)
-        p = traffic.ptr(idx) + 8 * start
-        v = traffic.ptr(vals) + 4 * start
-        sq = lib.scape_gather(k, p, 0, traffic.ptr(s), v)
-        assert torch.equal(vals[start:], s0[at])
+        v = vals[start:]
+        sq = lib.gather(at, s, v)
+        assert torch.equal(v, s0[at])
         assert float(sq) == pytest.approx(float(s0[at].double().square().sum()), rel=1e-12)
-        want = (vals[start:] + m[at] * -0.9) / 0.1
-        sq = lib.scape_ghat(k, p, 0, v, None, traffic.ptr(m), traffic.ptr(m_old) + 4 * start,
-                            0.9, 0.1)
+        want = (v + m[at] * -0.9) / 0.1
+        sq = lib.ghat(v, m_old[start:], 0.9, idx=at, m=m)
         assert torch.equal(m_old[start:], m[at])    # the old m at the mask, stored
-        torch.testing.assert_close(vals[start:], want, rtol=1e-6, atol=0)
-        assert float(sq) == pytest.approx(float(vals[start:].double().square().sum()), rel=1e-12)
-        sq = lib.scape_take(k, p, traffic.ptr(s), v)
-        assert torch.equal(vals[start:], s0[at]) and not s[at].any()
+        torch.testing.assert_close(v, want, rtol=1e-6, atol=0)
+        assert float(sq) == pytest.approx(float(v.double().square().sum()), rel=1e-12)
+        sq = lib.take(at, s, v)
+        assert torch.equal(v, s0[at]) and not s[at].any()
         assert torch.equal(s[s != 0], s0[s != 0])
-        zero = torch.nonzero(s == 0).view(-1)      # held: its pointer goes to the pass
+        zero = torch.nonzero(s == 0).view(-1)
         bits = torch.empty(16 * (n // 128 + 1), dtype=torch.uint8)   # scratch, zeroed
         # every taken position is zero now: found among the zeros
-        assert int(lib.scape_count_common(p, k, traffic.ptr(zero), zero.numel(),
-                                          traffic.ptr(bits), bits.numel())) == k
-
-
-def test_traffic_takes_each_pass_arguments():
-    """``traffic.TRAFFIC`` counts bytes from the arguments by position: each entry takes the
-    arguments its pass takes."""
-    from scape_train.optim.scape.triton_passes import TritonPasses
-
-    for name, count in traffic.TRAFFIC.items():
-        params = inspect.signature(getattr(TritonPasses, name)).parameters
-        inspect.signature(count).bind(*range(len(params) - 1))     # less ``self``
+        assert int(lib.count_common(at, zero, bits)) == k

@@ -219,6 +219,37 @@ def test_payload_round_trip_and_exact_error(name, n):
             assert torch.all((err.abs() <= x.abs() * 2.0 ** -mant)[normal])
 
 
+def _special(n: int) -> torch.Tensor:
+    """Zeros of both signs, subnormals, large and tiny normals, values that cross a block's scale.
+    (Values within a rounding step of fp32's largest, e.g. 3.4e38, decode to inf.)"""
+    vals = torch.tensor([0.0, -0.0, 1e-45, -3e-39, 1.17e-38, 3.0e38, -3.0e38, 1.0, -1.0,
+                         2.0 ** -126, 448.0, 57344.0, 2.0 ** 100, 2.0 ** -100])
+    return vals.repeat(-(-n // vals.numel()))[:n]
+
+
+@pytest.mark.parametrize("name", LOWP)
+@pytest.mark.parametrize("n", [0, 1, 5, 127, 128, 129, 1000, 3 * SCALE_BLOCK + 5])
+def test_payload_special_values_and_strided_rows(name, n):
+    """Special values, an all-zero block, a subnormal block; rows of a larger buffer decode as
+    the same bytes do contiguously; ``n = 0`` gives empty rows."""
+    codec = PayloadCodec(name)
+    for rows in (1, 3):
+        x = torch.stack([_spread(n, s) for s in range(rows - 1)] + [_special(n)])
+        if n > 2 * SCALE_BLOCK:
+            x[:, SCALE_BLOCK:2 * SCALE_BLOCK] = 0.0                    # an all-zero block
+            x[:, 2 * SCALE_BLOCK:] *= 2.0 ** -140                      # a subnormal block
+        wire, d = codec.round_trip(x)
+        assert wire.shape == (rows, codec.nbytes(n)) and d.shape == (rows, n)
+        if n == 0:
+            continue
+        assert torch.isfinite(d).all()
+        assert torch.equal(d + (x - d), x)                             # exact error feedback
+        zero = x == 0
+        assert not d[zero].any() and torch.equal(d[zero].signbit(), x[zero].signbit())
+        strided = torch.cat([wire, wire], dim=1)[:, :wire.shape[1]]   # rows of a larger buffer
+        assert torch.equal(codec.decode(strided, n).view(torch.int32), d.view(torch.int32))
+
+
 def test_fp8_scales_are_powers_of_two_and_never_overflow():
     for name, top in (("fp8_e4m3", 448.0), ("fp8_e5m2", 57344.0)):
         codec = PayloadCodec(name)

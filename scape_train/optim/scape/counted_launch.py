@@ -27,7 +27,6 @@ def launch(kernel, grid: tuple, name: str, nbytes: int, *args, **meta) -> None:
 
 def run(kernel, grid: tuple, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)`` with the interpreter's own torch ops hidden, uncounted:
-    for a caller that counts its bytes per pass (the fused step's passes, through
-    ``traffic.TRAFFIC``)."""
+    for a caller that counts its bytes per pass (the fused step's passes)."""
     with _disable_current_modes():
         kernel[grid](*args, **meta)

@@ -24,9 +24,10 @@ source of difference is that a vectorized ``add(alpha=)``/``addcmul`` may use an
 of a tensor and a separate multiply-add in its scalar tail, and the k-sized gathered tensors put
 different coordinates in the tail than the full-size ones (≤ 1 ulp per op).
 
-Two implementations of these passes, chosen through one seam (:mod:`.passes`): Triton kernels
-on CUDA (:mod:`.triton_passes`, one kernel per phase over the mask's indices, the square sums
-for the residual-norm metric taken on the way and returned on the device); elsewhere -- the
+Two implementations of these passes, chosen once (:func:`.kernels.select_passes`): Triton kernels
+on CUDA (:mod:`.triton_passes`, taking tensors and :mod:`.passes`' segments and AdamS constants,
+one pass per phase over the mask's indices, the square sums for the residual-norm metric taken
+on the way and returned on the device); elsewhere -- the
 CPU, ``use_triton=off``, a recording test step -- the torch ops written out below, which are
 also what the kernels are tested against (tests/test_triton_passes.py).
 
@@ -39,15 +40,12 @@ Triton passes.
 
 from __future__ import annotations
 
-import math
-import struct
-
 import torch
 
 from scape_train.comm import Comm
 from ...host_to_device import upload
 from ..config import OptimizerConfig
-from . import passes, traffic
+from . import passes
 from .masks import Mask
 from .partition import ParamLayout, PartitionMap
 from .payload import PayloadCodec, all_gather_rows, all_reduce_mean, reduce_scatter_mean
@@ -72,11 +70,6 @@ def _overlapped(handle, work):
 def _root(sq: torch.Tensor, cut=0.0) -> torch.Tensor:
     """``sqrt(max(sq - cut, 0))``: a norm from a pass's sum of squares, on the device."""
     return (sq - cut).clamp_min(0.0).sqrt()
-
-
-def _float_bits(x: float) -> int:
-    """``x`` rounded to float32 (as torch rounds a scalar for a float32 op), as its bits."""
-    return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 def _gathered_at(a: int, starts: list[int], counts: list[int], width: int) -> int:
@@ -119,14 +112,14 @@ class _FusedEngine:
     strategy calls :meth:`forget_support` whenever the state changes under another path."""
 
     def __init__(self, state: ScapeState, layout: ParamLayout, part: PartitionMap,
-                 cfg: OptimizerConfig, comm: Comm, backend: str):
+                 cfg: OptimizerConfig, comm: Comm, backend: str, lib=None):
         assert fuses(cfg.offload_residuals)
         self.state, self.layout, self.part, self.cfg, self.comm, self.backend = \
             state, layout, part, cfg, comm, backend
-        self.codec = PayloadCodec(cfg.payload_dtype, backend)
+        self.codec = PayloadCodec(cfg.payload_dtype)
         self.record = False          # tests: keep this step's intermediates in ``last``
         self.last: dict[str, torch.Tensor] = {}
-        self._lib = passes.lib(backend, state.m)    # the Triton passes, or None: chosen once
+        self._lib = lib        # the Triton passes (kernels.select_passes), or None: torch ops
         self._pidx: torch.Tensor | None = None      # previous mask's indices (m's support)
         self._idx: torch.Tensor | None = None
         self._plans: dict[tuple, tuple] = {}
@@ -136,8 +129,6 @@ class _FusedEngine:
             if wd != 0.0:
                 by_wd.setdefault(wd, []).append(i)
         self._decay_groups = list(by_wd.items())
-        self._numels = torch.tensor(lay.numels, dtype=torch.int64)   # for the kernels' prepare
-        self._total_numel = torch.tensor([lay.total], dtype=torch.int64)
 
     def accepts(self, k: int) -> bool:
         """Whether a step whose mask has ``k`` ones is cheaper here: the index-gathered
@@ -194,7 +185,7 @@ class _FusedEngine:
     def _index(self, idx: torch.Tensor, counts: list[list[int]]) -> _MaskIndex:
         return _MaskIndex(self._plan(counts), idx)
 
-    # -- the passes library (passes.py: the Triton kernels), one pass per phase --
+    # -- the Triton passes, one per phase ------------------------------------------------------
     def _passes(self, grads=None):
         """The Triton kernels (CUDA) for this step, or ``None`` (the CPU, ``use_triton=off``, a
         recording test step, a gradient that is not contiguous fp32: the torch ops below run)."""
@@ -205,29 +196,14 @@ class _FusedEngine:
             return None
         return self._lib
 
-    def _grad_table(self, grads: list[torch.Tensor]) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Where the prepare reads g: the number of rows, (pointer, flat offset) per row, the
-        numels. Gradients in one flat buffer (``optimizer.flat_grads``: each at its flat
-        offset) are one row -- one contiguous, aligned range for the passes."""
-        offs, base = self.layout.offsets, grads[0].data_ptr()
-        size = grads[0].element_size()
-        if all(g.data_ptr() == base + size * offs[i] for i, g in enumerate(grads)):
-            return 1, traffic.table([[base, 0]], 2), self._total_numel
-        grad_table = traffic.table([[g.data_ptr(), offs[i]] for i, g in enumerate(grads)], 2)
-        return len(grads), grad_table, self._numels
-
-    def _param_table(self, mi: _MaskIndex, lo: int, hi: int, lr: float, src=None
-                     ) -> torch.Tensor:
-        """Per segment of the index-list slice ``[lo, hi)``: θ's pointer, its flat offset,
-        ``a``, ``b`` (and, with ``src(a)``, where its values start in a gathered buffer), the
-        segment's elements ``[s0, s1)`` in the tensor and its weight decay's factor
-        ``1 - lr·wd`` as float32 bits (the passes apply the off-mask update as they walk θ)."""
+    def _segments(self, mi: _MaskIndex, lo: int, hi: int, lr: float, src=None
+                  ) -> list[passes.ParamSegment]:
+        """The passes' segments of the index-list slice ``[lo, hi)`` (``src(a)``: where a
+        segment's values start in a gathered buffer)."""
         lay = self.layout
-        rows = [[lay.params[t].data_ptr(), lay.offsets[t], a, b] + ([] if src is None
-                                                                   else [src(a)])
-                + [s0, s1, _float_bits(1.0 - lr * lay.weight_decay[t])]
+        return [passes.ParamSegment(lay.flat_view(t), lay.offsets[t], a, b, s0, s1,
+                                    1.0 - lr * lay.weight_decay[t], 0 if src is None else src(a))
                 for (t, a, b), (s0, s1) in zip(mi.segs, mi.spans) if a >= lo and b <= hi]
-        return traffic.table(rows, 7 if src is None else 8)
 
     def _decay_empty(self, mi: _MaskIndex, lr: float) -> None:
         """The weight decay of the segments no parameter table lists (no ones in the mask)."""
@@ -236,28 +212,9 @@ class _FusedEngine:
             if lay.weight_decay[t] != 0.0:
                 lay.flat_view(t)[s0:s1].mul_(1.0 - lr * lay.weight_decay[t])
 
-    def _passes_adams(self, lib, idx, j0: int, k: int, base: int, ghat: torch.Tensor,
-                      m_old: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
-                      param_table: torch.Tensor, out: torch.Tensor | None, coef, lr: float,
-                      step: int) -> None:
-        """:meth:`_decay`, :meth:`_adams_k` and :meth:`_set_momentum` in kernels over the index
-        list's ``[j0, j0 + k)`` (``m_old``: the old momentum there, from the ĝ pass): θ updated in
-        place, the table's segments decayed off the mask in the same walk (or the new θ into
-        ``out``); m zeroed on ``old_support`` (indices into ``m``; ``None``: everywhere) and set
-        to the new momentum at the mask."""
+    def _adams_step(self, lr: float, step: int) -> passes.AdamSStep:
         cfg = self.cfg
-        beta1, beta2 = cfg.betas
-        bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
-        bias = {"adam": 1, "official": 2}.get(cfg.bias_correction, 0)
-        step_size = lr / bc1 if bias else lr
-        n_zero = -1 if old_support is None else old_support.numel()
-        coef_arg = 1.0 if coef is None else coef     # a device tensor: no host read
-        lib.scape_adams(traffic.ptr(idx), j0, k, base, traffic.ptr(ghat), traffic.ptr(m),
-                        m.numel(), traffic.ptr(old_support), n_zero, traffic.ptr(param_table),
-                        param_table.shape[0], traffic.ptr(out), traffic.ptr(m_old),
-                        coef_arg, int(coef is not None), beta1,
-                        beta2, 1.0 - beta1, 1.0 - beta2, bc1, math.sqrt(bc2), cfg.eps,
-                        -step_size, bias)
+        return passes.AdamSStep(lr, *cfg.betas, cfg.eps, cfg.bias_correction, step)
 
     # -- gradients: read where autograd left them ----------------------------------------------
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -314,23 +271,14 @@ class _FusedEngine:
                  lr: float, step: int) -> torch.Tensor:
         """``adams_update_``'s ops on the gathered values, the decay already applied to
         ``theta_c``; returns the new momentum (``m_c`` is overwritten); ``theta_c`` in place."""
-        cfg = self.cfg
-        beta1, beta2 = cfg.betas
-        bc1 = 1.0 - beta1 ** step
-        bc2 = 1.0 - beta2 ** step
-        prev = m_c / bc1 if cfg.bias_correction == "official" else m_c
-        v = prev.square().mul_(beta2).addcmul_(ghat_c, ghat_c, value=1.0 - beta2)
-        m_new = m_c.mul_(beta1).add_(ghat_c, alpha=1.0 - beta1)
+        hp = self._adams_step(lr, step)
+        prev = m_c / hp.bc1 if hp.bias_correction == "official" else m_c
+        v = prev.square().mul_(hp.beta2).addcmul_(ghat_c, ghat_c, value=1.0 - hp.beta2)
+        m_new = m_c.mul_(hp.beta1).add_(ghat_c, alpha=1.0 - hp.beta1)
         denom = v.sqrt_()
-        if cfg.bias_correction == "adam":
-            denom.div_(math.sqrt(bc2))
-            step_size = lr / bc1
-        elif cfg.bias_correction == "official":
-            step_size = lr / bc1
-        else:
-            step_size = lr
-        denom.add_(cfg.eps)
-        theta_c.addcdiv_(m_new, denom, value=-step_size)
+        if hp.bias_correction == "adam":
+            denom.div_(hp.sqrt_bc2)
+        theta_c.addcdiv_(m_new, denom.add_(hp.eps), value=-hp.step_size)
         return m_new
 
     def _given(self, mask: Mask | None, counts: list[list[int]] | None
@@ -357,8 +305,8 @@ class _FusedEngine:
 class FusedReplicatedScape(_FusedEngine):
     """Replicated mode (§2); the residual buffer holds ``c`` between prepare() and finish_step()."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
         self._c: torch.Tensor | None = None
         self._zero_pending = False
         self._wire_err: torch.Tensor | None = None   # a low-precision payload's error at M_t
@@ -378,37 +326,26 @@ class FusedReplicatedScape(_FusedEngine):
              else self.state.residual.overwriting(self._pidx))
         self._c_sq, self._payload = None, None
         lib = self._passes(g)
-        grad_rows, grad_table, numels = self._grad_table(g) if lib is not None else (0, None, None)
+        offs = self.layout.offsets
+        flat = None if lib is None else passes.flat_buffer(g, offs)
         idx = self._given(mask, counts)     # M_t's indices, when the decode gave them
-        if self._pidx is not None and grad_rows == 1 and idx is not None:
+        if self._pidx is not None and flat is not None and idx is not None:
             # the two lines below, the payload gather and m's (m then zeroed on its support:
             # the update sets it at M_t from m_old) in one walk of one flat gradient
             payload, m_old = (torch.empty(idx.numel(), dtype=torch.float32, device=e.device)
-                           for _ in range(2))
-            self._c_sq = lib.scape_prepare_gather(
-                self.layout.total, g[0].data_ptr(), traffic.ptr(e), traffic.ptr(self.state.m),
-                traffic.ptr(self._pidx), self._pidx.numel(), traffic.ptr(idx), idx.numel(),
-                traffic.ptr(payload), traffic.ptr(m_old), beta1, 1.0 - beta1)   # Σ c² off M_t
+                              for _ in range(2))
+            self._c_sq = lib.prepare_gather(flat, e, self.state.m, self._pidx, idx, payload,
+                                            m_old, beta1, 1.0 - beta1)   # Σ c² off M_t
             self._cut, self._payload = 0.0, (idx, payload, m_old)
         elif self._pidx is None and lib is not None:   # the general line below, in kernels
-            self._c_sq = lib.scape_prepare_replicated_general(
-                grad_rows, traffic.ptr(grad_table), traffic.ptr(numels), traffic.ptr(e),
-                traffic.ptr(self.state.m),
-                beta1, 1.0 - beta1)
+            self._c_sq = lib.prepare_general(g, offs, e, self.state.m, beta1, 1.0 - beta1)
         elif self._pidx is None:        # m may be nonzero anywhere (first step, after a load)
             w = torch._foreach_mul(self._views(self.state.m), beta1)
             torch._foreach_add_(w, g, alpha=1.0 - beta1)
             torch._foreach_add_(self._views(e), w)
-        elif lib is not None:           # the two lines below, in kernels
-            segs = self._prev_local.segs
-            support_table = traffic.table([[g[t].data_ptr(), self.layout.offsets[t], a, b]
-                                 for t, a, b in segs], 4)
-            self._c_sq = lib.scape_prepare_replicated(
-                grad_rows, traffic.ptr(grad_table), traffic.ptr(numels), traffic.ptr(e),
-                traffic.ptr(self.state.m),
-                traffic.ptr(self._pidx), self._pidx.numel(), traffic.ptr(support_table),
-                support_table.shape[0],
-                beta1, 1.0 - beta1)   # Σ c², for the metric
+        elif lib is not None:           # the two lines below, in kernels; Σ c², for the metric
+            self._c_sq = lib.prepare(g, offs, e, self.state.m, self._pidx,
+                                     self._prev_local.segs, beta1, 1.0 - beta1)
         else:                           # m and e_{t-1}: nonzero on disjoint sets
             pidx = self._pidx
             c_p = self.state.m.index_select(0, pidx).mul_(beta1).add_(self._grads_at(g),
@@ -481,19 +418,16 @@ class FusedReplicatedScape(_FusedEngine):
         else:
             payload, m_old = (torch.empty(k, dtype=torch.float32, device=c.device)
                            for _ in range(2))
-            self._cut = lib.scape_gather(k, traffic.ptr(idx), 0, traffic.ptr(c),
-                                         traffic.ptr(payload))    # and Σ_M c², for the metric
+            self._cut = lib.gather(idx, c, payload)    # and Σ_M c², for the metric
             m_at, old_support = m, self._pidx                # ĝ's pass gathers m into m_old
         overlapped = _overlapped(self.comm.all_reduce(payload, kind="payload", average=True,
                                                       async_op=True), during_payload)
-        sq = lib.scape_ghat(k, traffic.ptr(idx), 0, traffic.ptr(payload), None,
-                            traffic.ptr(m_at), traffic.ptr(m_old), cfg.betas[0],
-                            1.0 - cfg.betas[0])                  # payload becomes ĝ
+        sq = lib.ghat(payload, m_old, cfg.betas[0], idx=idx, m=m_at)   # payload becomes ĝ
         norm = _root(sq).float()
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         mi = self._index(idx, counts)
-        self._passes_adams(lib, idx, 0, k, 0, payload, m_old, m, old_support,
-                           self._param_table(mi, 0, k, lr), None, coef, lr, step)  # and m
+        lib.adams(idx, 0, 0, payload, m_old, m, old_support, self._segments(mi, 0, k, lr),
+                  self._adams_step(lr, step), coef)                            # and m
         self._decay_empty(mi, lr)
         self._pidx = idx
         self._prev_local = mi
@@ -533,8 +467,8 @@ class FusedShardedScape(_FusedEngine):
     """Sharded mode (§3); ``ρ`` holds the owner's ``base = β1·m + ρ`` between prepare() and
     update(), the full-size ``ε`` holds ``x = (1-β1)·g + ε``."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
         self.lo, self.hi = self.part.ranges[self.comm.rank]
         self._x: torch.Tensor | None = None
         self._pidx_own: torch.Tensor | None = None
@@ -550,20 +484,16 @@ class FusedShardedScape(_FusedEngine):
         lib = self._passes(g) if self._pidx is not None else None
         self._x_sq, self._taken = None, None
         if lib is not None:            # ε ← x, ρ ← base and c^(o) = base + x^(o), in one pass
-            grad_rows, grad_table, numels = self._grad_table(g)
-            p = self._pidx_own
+            flat = passes.flat_buffer(g, self.layout.offsets)
             cand = torch.empty(self.hi - self.lo, dtype=torch.float32, device=eps_.device)
             idx = self._given(mask, counts)
-            if grad_rows == 1 and idx is not None:
-                self._taken = self._prepare_take(lib, g[0], eps_, cand, idx, counts)
-                self._x = eps_
-                return cand
-            self._x_sq = lib.scape_prepare_sharded(
-                grad_rows, traffic.ptr(grad_table), traffic.ptr(numels), traffic.ptr(eps_),
-                traffic.ptr(self.state.rho), traffic.ptr(self.state.m), traffic.ptr(p), p.numel(),
-                self.lo,
-                self.hi, traffic.ptr(cand), beta1, 1.0 - beta1)
             self._x = eps_
+            if flat is not None and idx is not None:
+                self._taken = self._prepare_take(lib, flat, eps_, cand, idx, counts)
+                return cand
+            self._x_sq = lib.prepare_sharded(g, self.layout.offsets, eps_, self.state.rho,
+                                             self.state.m, self._pidx_own, self.lo, self.hi,
+                                             cand, beta1, 1.0 - beta1)
             return cand
         self._add_scaled_grads(eps_, g)                      # ε ← x
         if self._pidx is None:
@@ -584,19 +514,13 @@ class FusedShardedScape(_FusedEngine):
         width = max(1, max(counts))
         starts = [sum(counts[:r]) for r in range(comm.world)]
         send = torch.zeros(comm.world, width, dtype=torch.float32, device=x.device)
-        send_rows = traffic.table([[starts[r], r * width - starts[r]]
-                                   for r in range(comm.world)], 2)
         a = starts[comm.rank]
-        b = a + counts[comm.rank]
-        m_old, rho_at = (torch.empty(b - a, dtype=torch.float32, device=x.device) for _ in range(2))
-        p = self._pidx_own
-        sq = lib.scape_prepare_take(self.layout.total, g.data_ptr(), traffic.ptr(x),
-                                    traffic.ptr(self.state.rho), traffic.ptr(self.state.m),
-                                    traffic.ptr(p),
-                                    p.numel(), self.lo, self.hi, traffic.ptr(cand),
-                                    traffic.ptr(idx), idx.numel(), traffic.ptr(send_rows),
-                                    comm.world, traffic.ptr(send), a, b, traffic.ptr(m_old),
-                                    traffic.ptr(rho_at), beta1, 1.0 - beta1)
+        own = slice(a, a + counts[comm.rank])
+        m_old, rho_at = (torch.empty(own.stop - a, dtype=torch.float32, device=x.device)
+                         for _ in range(2))
+        sq = lib.prepare_take(g, x, self.state.rho, self.state.m, self._pidx_own, self.lo,
+                              self.hi, cand, idx, starts, send, own, m_old, rho_at, beta1,
+                              1.0 - beta1)
         return idx, send, m_old, rho_at, sq
 
     def update(self, mask: Mask, lr: float, step: int, seg_counts: list[list[int]],
@@ -734,22 +658,18 @@ class FusedShardedScape(_FusedEngine):
             cut = 0.0
             for r, k in enumerate(counts):   # the payload rows, and ε = (1-M)⊙x in one pass
                 if k:
-                    cut = cut + lib.scape_take(k, traffic.ptr(idx[starts[r]:starts[r] + k]),
-                                               traffic.ptr(x), traffic.ptr(send[r]))
+                    cut = cut + lib.take(idx[starts[r]:starts[r] + k], x, send[r])
             m_old = torch.empty(k_own, dtype=torch.float32, device=x.device)  # old m at the mask
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
         overlapped = _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload",
                                                      average=True, async_op=True),
                                  during_payload)
         del send
+        ghat = recv[:k_own]
         if rho_at is None:      # recv = ĝ; ρ = (1-M)⊙base; m gathered into m_old
-            sq = lib.scape_ghat(k_own, traffic.ptr(own), lo, traffic.ptr(recv),
-                                traffic.ptr(self.state.rho), traffic.ptr(m), traffic.ptr(m_old),
-                                cfg.betas[0], 1.0 - cfg.betas[0])
+            sq = lib.ghat(ghat, m_old, cfg.betas[0], idx=own, base=lo, rho=self.state.rho, m=m)
         else:                   # b̄ + ρ (the ĝ pass's first add), then ĝ from m_old
-            recv[:k_own].add_(rho_at)
-            sq = lib.scape_ghat(k_own, None, 0, traffic.ptr(recv), None, None, traffic.ptr(m_old),
-                                cfg.betas[0], 1.0 - cfg.betas[0])
+            sq = lib.ghat(ghat.add_(rho_at), m_old, cfg.betas[0])
         sq_t = sq.float().reshape(1)
         comm.all_reduce(sq_t, kind="norm", average=False)
         norm = sq_t.sqrt()[0]
@@ -762,9 +682,9 @@ class FusedShardedScape(_FusedEngine):
         mi = self._index(idx, seg_counts)
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
         if k_own:     # θ·(1 - lr·wd) + the update into the shard; θ itself is not written yet
-            self._passes_adams(lib, idx, s_own, k_own, lo, recv, m_old, m, old_support,
-                               self._param_table(mi, s_own, s_own + k_own, lr), shard, coef,
-                               lr, step)                      # and m (own range)
+            lib.adams(idx, s_own, lo, ghat, m_old, m, old_support,
+                      self._segments(mi, s_own, s_own + k_own, lr), self._adams_step(lr, step),
+                      coef, out=shard)                         # and m (own range)
         elif old_support is None:
             m.zero_()
         else:
@@ -773,11 +693,9 @@ class FusedShardedScape(_FusedEngine):
         comm.all_gather(gathered, shard, kind="params")
 
         # θ from the gathered shards at the mask, θ·(1 - lr·wd) elsewhere: one walk of θ
-        scatter_table = self._param_table(mi, 0, idx.numel(), lr,
-                                 lambda a: _gathered_at(a, starts, counts, width))
-        lib.scape_scatter_params(traffic.ptr(idx), traffic.ptr(scatter_table),
-                                 scatter_table.shape[0],
-                                 traffic.ptr(gathered))
+        lib.scatter_params(idx, self._segments(mi, 0, idx.numel(), lr,
+                                               lambda a: _gathered_at(a, starts, counts, width)),
+                           gathered)
         self._decay_empty(mi, lr)
         self._pidx, self._pidx_own = idx, own - lo
         self._prev_local = mi

@@ -75,6 +75,24 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     return backend
 
 
+_triton_passes: dict[str, object] = {}
+
+
+def select_passes(backend: str, device: torch.device):
+    """The fused step's passes for tensors on ``device`` under ``backend``: the Triton ones
+    (:class:`.triton_passes.TritonPasses`, one per device) where :func:`resolve_backend` picks
+    Triton, else ``None``: the fused engine's torch ops, also the oracle the kernels are tested
+    against."""
+    if resolve_backend(backend, torch.empty(0, device=device)) != "triton":
+        return None
+    key = str(device)
+    if key not in _triton_passes:
+        from .triton_passes import TritonPasses   # imports triton: only when chosen
+
+        _triton_passes[key] = TritonPasses(torch.device(device))
+    return _triton_passes[key]
+
+
 def _triton():
     # Imported lazily so that this module imports without triton and so that TRITON_INTERPRET
     # set by a test's conftest is in place before triton is first imported.

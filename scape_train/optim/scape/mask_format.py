@@ -35,6 +35,12 @@ KIND_CODES = {ALL: 0, BITMAP: 1, INDICES: 2, ELIAS_FANO: 3}
 _MAX_FIELD_BITS = 33        # a field read spans at most 5 bytes (33 bits + a 7-bit offset)
 
 
+def bits_bytes(total: int) -> int:
+    """Bytes of a decoded mask's packed bits (the Triton decode's): ``ceil(total / 8)`` padded to
+    whole 16-byte words (the kernels' int32 view, aligned loads)."""
+    return 16 * -(-total // 128)
+
+
 def index_width(numel: int) -> int:
     """Bits of one segment-local index into ``numel`` elements."""
     return max(1, (numel - 1).bit_length())

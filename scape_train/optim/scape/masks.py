@@ -14,9 +14,9 @@ import torch
 
 from scape_train.comm import Comm, Handle
 from ..density import segment_k
-from . import passes, traffic
 from .kernels import nonzero_sorted
 from .mask_coding import MaskPlan
+from .mask_format import bits_bytes
 from .partition import ParamLayout, PartitionMap
 
 
@@ -173,25 +173,24 @@ class Mask:
         return self.indices
 
 
-def overlap(cur: Mask, prev: Mask, backend: str = "auto") -> torch.Tensor:
+def overlap(cur: Mask, prev: Mask, lib=None) -> torch.Tensor:
     """Ones of ``cur`` that ``prev`` has too (the masks' temporal stability metric), as a
     tensor, from the index lists when both have them: ``cur``'s looked up in ``prev``'s packed
     bits -- the decode's, else marked in a scratch bitmap -- O(k) passes in the Triton kernels;
-    a bool map made for the count in torch ops. Else one full-size AND of the bool tensors."""
+    a bool map made for the count in torch ops (``lib``: the Triton passes, or ``None``).
+    Else one full-size AND of the bool tensors."""
     a, b = cur.indices, prev.indices
     if a is None or b is None:
         return torch.count_nonzero(cur.dense(keep=False) & prev.dense(keep=False))
     if not a.numel() or not b.numel():      # (an empty tensor's pointer is NULL)
         return torch.zeros((), dtype=torch.int64, device=a.device)
-    lib = passes.lib(backend, a)
     if lib is not None and a.is_contiguous() and b.is_contiguous():
         if prev.bits is not None:       # marked by the decode: the lookups only
             bits, marked = prev.bits, None
         else:
-            bits = torch.empty(traffic.bits_bytes(cur.total), dtype=torch.uint8, device=a.device)
+            bits = torch.empty(bits_bytes(cur.total), dtype=torch.uint8, device=a.device)
             marked = b
-        return lib.scape_count_common(traffic.ptr(a), a.numel(), traffic.ptr(marked), b.numel(),
-                                      traffic.ptr(bits), bits.numel())
+        return lib.count_common(a, marked, bits)
     # torch ops: a transient bool map (an index_put of bits with accumulate, ORing into bytes,
     # is several times slower on the CPU)
     seen = torch.zeros(cur.total, dtype=torch.bool, device=a.device).index_fill_(0, b, True)

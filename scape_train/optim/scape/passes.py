@@ -1,30 +1,61 @@
-"""The one seam of the fused step's passes: which library runs them, chosen by device.
-
-:mod:`.triton_passes` where :func:`kernels.resolve_backend` picks Triton (CUDA tensors with
-triton importable, ``optimizer.use_triton: auto``; or ``use_triton: on``, which on CPU tensors
-needs ``TRITON_INTERPRET=1``, how the kernels are tested without a GPU); ``None`` otherwise: the
-fused engine runs its torch ops, also the reference the kernels are tested against. The library
-returns its sums as device tensors and takes the clipping coefficient as one, so the step never
-reads a value back to the host; its calls are counted (:class:`.traffic.Counted`).
+"""What the fused step's passes take besides tensors: the parameters' segments of the mask and
+one AdamS step's constants; shared by the engine's torch ops (:mod:`.fused`) and the Triton
+passes (:mod:`.triton_passes`), which :func:`.kernels.select_passes` picks once.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 
-from .kernels import resolve_backend
-from .traffic import Counted
-
-_triton_libs: dict[str, Counted] = {}
 
 
-def lib(backend: str, *tensors: torch.Tensor) -> Counted | None:
-    """The passes library for ``tensors`` under ``backend`` (``auto``/``torch``/``triton``)."""
-    if not tensors or resolve_backend(backend, *tensors) != "triton":
+class ParamSegment(NamedTuple):
+    """One owner segment of the mask's sorted flat index list: θ's flat view, the tensor's flat
+    offset, the index-list slice ``[a, b)`` of its ones, its elements ``[s0, s1)`` in the tensor,
+    the weight decay's factor ``1 - lr·wd`` (applied off the mask as the passes walk θ), and
+    where ``[a, b)``'s values start in a gathered buffer (the sharded parameter all-gather)."""
+    param: torch.Tensor
+    offset: int
+    a: int
+    b: int
+    s0: int
+    s1: int
+    decay: float
+    src: int = 0
+
+
+@dataclass(frozen=True)
+class AdamSStep:
+    """One AdamS step's constants, as ``adams.adams_update_`` computes them."""
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    bias_correction: str      # adam | official | none
+    step: int
+
+    @property
+    def bc1(self) -> float:
+        return 1.0 - self.beta1 ** self.step
+
+    @property
+    def sqrt_bc2(self) -> float:
+        return math.sqrt(1.0 - self.beta2 ** self.step)
+
+    @property
+    def step_size(self) -> float:
+        return self.lr / self.bc1 if self.bias_correction in ("adam", "official") else self.lr
+
+
+def flat_buffer(grads: list[torch.Tensor], offsets: list[int]) -> torch.Tensor | None:
+    """The one flat buffer the per-tensor gradients are views of, each at its flat offset
+    (``optimizer.flat_grads``), or ``None``."""
+    g0 = grads[0]
+    base, size = g0.data_ptr(), g0.element_size()
+    if any(g.data_ptr() != base + size * offsets[i] for i, g in enumerate(grads)):
         return None
-    key = str(tensors[0].device)
-    if key not in _triton_libs:
-        from .triton_passes import TritonPasses   # imports triton: only when chosen
-
-        _triton_libs[key] = Counted(TritonPasses(tensors[0].device))
-    return _triton_libs[key]
+    return g0.as_strided((offsets[-1],), (1,), g0.storage_offset())

@@ -11,11 +11,16 @@ Wire format of ``n`` values (:class:`PayloadCodec`; every buffer on the wire is 
 Scales are powers of two, chosen from the block's absolute maximum ``a = m·2^x`` (``frexp``,
 ``m ∈ [0.5, 1)``) as ``e = x - E`` with ``E = 8`` (e4m3, largest finite 448) or ``15`` (e5m2,
 57344), so every scaled value is below ``2^E`` and never overflows; ``e`` is clamped to
-``[-110, 120]`` so that both ``2^e`` and every dequantized value are normal fp32 numbers. With a
+``[-110, 120]`` so that ``2^e`` is a normal fp32 number (a value within a rounding of fp32's
+largest, ~3.4e38, can round up to ``2^E`` in the 8-bit type and decode to inf). With a
 power-of-two scale the scaling is exact both ways and the only rounding is the cast to the 8-bit
 type; the rounded value ``d`` of ``x`` lies in ``[x/2, 2x]`` (or is 0), so by Sterbenz's lemma
 ``x - d`` is exact in fp32: a rank's quantization error, fed back into its residual, loses
 nothing (``x = d + (x - d)`` bit for bit).
+
+The codec is these torch ops on every device: the payload is ``k`` values (1-10% of the
+parameters), a handful of ``k``-sized elementwise ops with no host read, and this module is the
+wire format's one definition.
 
 The reduction is accumulated in fp32 on every backend: nothing low-precision is ever reduced by
 the backend (gloo rounds every partial bf16 sum to bf16 and refuses fp8 -- measured; NCCL adds
@@ -41,30 +46,28 @@ from __future__ import annotations
 import torch
 
 from scape_train.comm import Comm
-from .kernels import resolve_backend
-from .payload_format import (E_MAX as _E_MAX, E_MIN as _E_MIN,
-                             EXP_HEADROOM as _EXP_HEADROOM, PAYLOAD_DTYPES, SCALE_BLOCK,
-                             TORCH_DTYPE as _TORCH_DTYPE)
+
+PAYLOAD_DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2")
+SCALE_BLOCK = 128      # fp8: one power-of-two scale per this many consecutive values
+
+_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+                "fp8_e5m2": torch.float8_e5m2}
+_EXP_HEADROOM = {"fp8_e4m3": 8, "fp8_e5m2": 15}   # scaled |value| < 2^E <= the type's max
+_E_MIN, _E_MAX = -110, 120
+
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
     """``2^e`` as exact fp32, built from the exponent bits (``e`` int32 in [-126, 127])."""
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
-def _triton_payload():
-    # lazily: the package imports without triton (and after a test's TRITON_INTERPRET=1)
-    from . import triton_payload
-
-    return triton_payload
-
-
 class PayloadCodec:
     """Encodes fp32 rows into wire bytes and back; ``fp32`` is the identity (raw bytes)."""
 
-    def __init__(self, name: str, backend: str = "auto"):
+    def __init__(self, name: str):
         if name not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype must be one of {PAYLOAD_DTYPES}, got {name!r}")
-        self.name, self.backend = name, backend     # "auto": the Triton kernels on CUDA
+        self.name = name
         self.lowp = name != "fp32"
         self.scaled = name.startswith("fp8")
         self.itemsize = {"fp32": 4, "bf16": 2}.get(name, 1)
@@ -81,8 +84,6 @@ class PayloadCodec:
         rows, n = x.shape
         if not self.lowp:
             return x.contiguous().view(torch.uint8).reshape(rows, 4 * n)
-        if resolve_backend(self.backend, x) == "triton":
-            return _triton_payload().encode(x, self.name, self.nbytes(n))
         if not self.scaled:
             return x.to(_TORCH_DTYPE[self.name]).view(torch.uint8).reshape(rows, 2 * n)
         nb = self.nblocks(n)
@@ -103,8 +104,6 @@ class PayloadCodec:
         rows = b.shape[0]
         if not self.lowp:
             return b.contiguous().view(torch.float32).reshape(rows, n).clone()
-        if resolve_backend(self.backend, b) == "triton":
-            return _triton_payload().decode(b, n, self.name)
         dt = _TORCH_DTYPE[self.name]
         if not self.scaled:
             return b.contiguous().view(dt).reshape(rows, n).float()

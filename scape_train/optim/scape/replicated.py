@@ -41,7 +41,7 @@ class ReplicatedScape:
         self.state = ScapeState(
             m=torch.zeros(n, dtype=torch.float32, device=dev),
             residual=ResidualStore(n, dev, cfg.offload_residuals, cfg.offload_chunk_numel))
-        self.codec = PayloadCodec(cfg.payload_dtype, backend)
+        self.codec = PayloadCodec(cfg.payload_dtype)
         self.record = False          # tests: keep this step's candidate in ``last``
         self.last: dict[str, torch.Tensor] = {}
         self._c: torch.Tensor | None = None

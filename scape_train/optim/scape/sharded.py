@@ -42,7 +42,7 @@ class ShardedScape:
         dev = layout.device
         self.lo, self.hi = part.ranges[comm.rank]
         own = self.hi - self.lo
-        self.codec = PayloadCodec(cfg.payload_dtype, backend)
+        self.codec = PayloadCodec(cfg.payload_dtype)
         self.state = ScapeState(
             m=torch.zeros(own, dtype=torch.float32, device=dev),       # the owner's range
             residual=ResidualStore(layout.total, dev, cfg.offload_residuals,

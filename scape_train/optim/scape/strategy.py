@@ -26,7 +26,7 @@ from ..config import OptimizerConfig
 from ..density import DensitySchedule
 from ..grad_buffer import FlatGradBuffer
 from ..state import FlatShard, ShardSource, StateParts
-from .kernels import pack_bits, resolve_backend, unpack_bits
+from .kernels import pack_bits, select_passes, unpack_bits
 from .masks import (Mask, MaskExchange, PendingMask, mask_counts, measured_counts, overlap,
                     topk_own_mask)
 from .partition import ParamLayout, build_partition
@@ -48,8 +48,9 @@ class ScapeStrategy(OptimizerStrategy):
                                   exclude_norm_bias=cfg.exclude_norm_bias)
         self._check_backend()
         self.backend = _KERNEL_BACKEND[cfg.use_triton]
-        # Fail now, not at the first step, when Triton is forced where it cannot run.
-        resolve_backend(self.backend, torch.empty(0, device=self.layout.device))
+        # the fused step's Triton passes, or None (torch ops); fails now, not at the first
+        # step, when Triton is forced where it cannot run
+        self.passes = select_passes(self.backend, self.layout.device)
         # the CPU may read sizes and values back (no device queue to stall) unless the GPU's
         # static-shape ops are asked for (optimizer.static_shapes)
         self.host_reads = self.layout.device.type == "cpu" and not cfg.static_shapes
@@ -62,7 +63,7 @@ class ScapeStrategy(OptimizerStrategy):
         self.reference = reference(*args)
         # the O(k) engine, where the configuration allows it (fuses); it works on the
         # reference's state, and a step at a density it does not accept runs the reference
-        self.fused = (fused(self.reference.state, *args) if cfg.scape_impl == "fused"
+        self.fused = (fused(self.reference.state, *args, lib=self.passes) if cfg.scape_impl == "fused"
                       and fuses(cfg.offload_residuals)
                       else None)
         self.last_engine = self.reference     # the engine of the last step
@@ -189,7 +190,7 @@ class ScapeStrategy(OptimizerStrategy):
         metrics["scape/density"] = ones / self.layout.total
         metrics["scape/target_density"] = self.density(t)
         if prev is not None:  # temporal stability: ones of M_t that were already in M_{t-1}
-            metrics["scape/mask_overlap"] = overlap(mask, prev, self.backend) / max(ones, 1.0)
+            metrics["scape/mask_overlap"] = overlap(mask, prev, self.passes) / max(ones, 1.0)
         mask.keep_one_form()   # one form of M_t between steps: its indices, or its bool tensor
         return metrics
 

@@ -1,5 +1,5 @@
 """Triton kernels for SCAPE's mask codings (:mod:`.mask_coding`: ``bitmap`` / ``indices`` /
-``elias_fano`` segments and implicit all-ones ones); the payload's are in :mod:`.triton_payload`.
+``elias_fano`` segments and implicit all-ones ones); the payload's codec is torch ops only.
 The CUDA path; tests run it under ``TRITON_INTERPRET=1``.
 
 ``MaskPlan`` imports this module lazily (it imports triton), only when
@@ -40,9 +40,8 @@ import triton
 import triton.language as tl
 
 from ...host_to_device import host_table, upload
-from . import traffic
 from .counted_launch import launch
-from .mask_format import ALL, BITMAP, ELIAS_FANO, INDICES, SegCode
+from .mask_format import ALL, BITMAP, ELIAS_FANO, INDICES, SegCode, bits_bytes
 from .mask_format import KIND_CODES as _KIND
 
 BLOCK = 4096            # stream positions per program (4096 bits = 512 packed bytes)
@@ -339,7 +338,7 @@ def decode_mask(segs: list[list[SegCode]], shard_bytes: int, total: int,
                 gathered: torch.Tensor | None, device: torch.device, cache: dict
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, bits)``: the flat indices of the ones from every owner's shard, increasing,
-    and the mask packed 1 bit per element (``traffic.bits_bytes(total)`` uint8), as
+    and the mask packed 1 bit per element (``mask_format.bits_bytes(total)`` uint8), as
     ``MaskPlan.decode_parts`` (for every coding)."""
     key = ("decode", str(device))
     if key not in cache:
@@ -348,7 +347,7 @@ def decode_mask(segs: list[list[SegCode]], shard_bytes: int, total: int,
     buf = gathered.contiguous() if gathered is not None and gathered.numel() else \
         torch.zeros(1, dtype=torch.uint8, device=device)       # a valid pointer, never read
     idx = torch.empty(t["ones"], dtype=torch.int64, device=device)
-    words = torch.zeros(traffic.bits_bytes(total) // 4, dtype=torch.int32, device=device)
+    words = torch.zeros(bits_bytes(total) // 4, dtype=torch.int32, device=device)
     scan, direct, nbytes = t["scan"], t["direct"], t["bytes"]
     if scan.shape[0]:
         starts = _block_starts(buf, scan, True, "mask_decode_count", nbytes["mask_decode_count"])
