@@ -4,9 +4,8 @@
     .venv/bin/python scripts/bench_cuda_bytes.py [--world 4] [--densities 0.1,0.01] \
         [--docs docs/figures]
 
-The CUDA path is what runs where the device may not be read back: static shapes
-(``optimizer.static_shapes``: top-k by ``torch.topk``, ``nonzero_static``).
-Two variants of its fused step are counted:
+The step has one path on every device: static shapes (top-k by ``torch.topk``,
+``nonzero_static``), nothing read back. Two variants of its fused step are counted:
 - ``torch ops``: ``use_triton=off`` -- the fused engine's torch ops (what CUDA ran before the
   Triton passes);
 - ``Triton``: ``use_triton=on`` -- the Triton passes (``optim/scape/triton_passes.py``) and the
@@ -148,14 +147,10 @@ def main() -> None:
         for sharded in (False, True):
             mode = "sharded" if sharded else "replicated"
             kw = dict(density=d, scape_impl="fused", sharded=sharded)
-            rows[f"CPU path (torch ops), {mode}, d={d}"] = count(
-                model, ("scape", args.world, {**kw, "use_triton": "off"}), args.steps, params)
-            static = {**kw, "static_shapes": True}       # the CUDA path
             rows[f"CUDA path, torch ops, {mode}, d={d}"] = count(
-                model, ("scape", args.world, {**static, "use_triton": "off"}), args.steps,
-                params)
+                model, ("scape", args.world, {**kw, "use_triton": "off"}), args.steps, params)
             rows[f"CUDA path, Triton, {mode}, d={d}"] = count(
-                model, ("scape", args.world, {**static, "use_triton": "on"}), args.steps,
+                model, ("scape", args.world, {**kw, "use_triton": "on"}), args.steps,
                 params)
             print(f"d={d} {mode}: " + ", ".join(
                 f"{n.split(',')[0].split('(')[0].strip()} {r['bytes_per_param']:.1f}"

@@ -60,10 +60,7 @@ def _worker(rank, world, kw, steps):
 
     torch.manual_seed(0)
     model = build_model(MODEL, vocab_size=MODEL.vocab_size, device=torch.device("cpu"))
-    # what a CUDA step runs: the CPU's data-dependent top-k reads sizes on the host, which only
-    # the CPU can afford
-    static = {"static_shapes": True} if kw.get("name") == "scape" else {}
-    strategy = build_optimizer(OptimizerConfig(**kw, **static), model)
+    strategy = build_optimizer(OptimizerConfig(**kw), model)
     wrapped = strategy.wrap_model(model)
     rows = []
     for t in range(1, steps + 1):

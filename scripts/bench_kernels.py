@@ -71,12 +71,8 @@ def main() -> None:
         ("pack_bits", numel + numel // 8, lambda b: K.pack_bits(mask, backend=b)),
         ("unpack_bits", numel // 8 + numel, lambda b: K.unpack_bits(packed, numel, backend=b)),
         ("gather_masked", numel + 2 * k * esize, lambda b: K.gather_masked(values, mask, backend=b)),
-        ("gather_masked_packed", numel // 8 + 2 * k * esize,
-         lambda b: K.gather_masked_packed(values, packed, backend=b)),
         ("scatter_masked", numel + 2 * k * esize,
          lambda b: K.scatter_masked(payload, mask, out, backend=b)),
-        ("scatter_masked_packed", numel // 8 + 2 * k * esize,
-         lambda b: K.scatter_masked_packed(payload, packed, out, backend=b)),
     ]
     for label, nbytes, fn in cases:
         for b in backends:

@@ -246,8 +246,6 @@ def main() -> None:
         for impl in ("reference", "fused"):
             contenders[f"SCAPE {impl}, d={d}"] = ("scape", args.world, dict(
                 density=d, scape_impl=impl))
-        contenders[f"SCAPE fused, d={d}, static shapes"] = ("scape", args.world, dict(
-            density=d, scape_impl="fused", static_shapes=True))
         contenders[f"SCAPE fused, d={d}, bitmap mask"] = ("scape", args.world, dict(
             density=d, scape_impl="fused", mask_coding="bitmap"))
         if not args.no_sharded:

@@ -86,13 +86,12 @@ def variants() -> list[tuple]:
                 {"BLOCK_BYTES": tk.PACK_BLOCK_BYTES}))
     out.append((tk._unpack_kernel, dict(packed_ptr=U8, out_ptr=U8, n=A, nbytes=A),
                 {"BLOCK_BYTES": tk.PACK_BLOCK_BYTES}))
-    for packed in (False, True):
-        pk = {"PACKED": packed, "BLOCK": tk.BLOCK}
-        out.append((tk._count_kernel, dict(mask_ptr=U8, counts_ptr=P64, n=A), pk))
-        out.append((tk._gather_kernel, dict(values_ptr="*i32", mask_ptr=U8, starts_ptr=P64,
-                                            out_ptr="*i32", n=A), pk))
-        out.append((tk._scatter_kernel, dict(payload_ptr="*i32", mask_ptr=U8, starts_ptr=P64,
-                                             out_ptr="*i32", n=A), pk))
+    kt = {"BLOCK": tk.BLOCK}
+    out.append((tk._count_kernel, dict(mask_ptr=U8, counts_ptr=P64, n=A), kt))
+    out.append((tk._gather_kernel, dict(values_ptr="*i32", mask_ptr=U8, starts_ptr=P64,
+                                        out_ptr="*i32", n=A), kt))
+    out.append((tk._scatter_kernel, dict(payload_ptr="*i32", mask_ptr=U8, starts_ptr=P64,
+                                         out_ptr="*i32", n=A), kt))
     # the mask codings
     for packed in (False, True):
         out.append((tc._count_kernel, dict(src_ptr=U8, tab_ptr=P64, counts_ptr=P64),

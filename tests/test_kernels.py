@@ -57,7 +57,6 @@ def test_pack_unpack_round_trip(backend: str, n: int) -> None:
     assert torch.equal(K.unpack_bits(packed, n, backend=backend), mask)
     if n % 8:  # padding bits are zero
         assert int(packed[-1]) >> (n % 8) == 0
-    assert K.popcount_packed(packed) == int(mask.sum())
 
 
 def test_gather_scatter_semantics_torch() -> None:
@@ -91,17 +90,13 @@ def _check_gather_scatter(values: torch.Tensor, mask: torch.Tensor) -> None:
     ref = K.gather_masked(values, mask, backend="torch")
     got = K.gather_masked(values, mask, backend="triton")
     assert got.dtype == values.dtype and torch.equal(got, ref)
-    packed = K.pack_bits(mask, backend="torch")
-    assert torch.equal(K.gather_masked_packed(values, packed, backend="triton"), ref)
-    assert torch.equal(K.gather_masked_packed(values, packed, backend="torch"), ref)
 
     payload = -ref - 3  # distinct from whatever `out` holds
     base = _values(values.numel(), values.dtype, seed=99).view(values.shape)
     expect = K.scatter_masked(payload, mask, base.clone(), backend="torch")
-    for fn, m in ((K.scatter_masked, mask), (K.scatter_masked_packed, packed)):
-        out = base.clone()
-        assert fn(payload, m, out, backend="triton") is out
-        assert torch.equal(out, expect)
+    out = base.clone()
+    assert K.scatter_masked(payload, mask, out, backend="triton") is out
+    assert torch.equal(out, expect)
     assert torch.equal(expect[~mask], base[~mask])  # off-mask entries untouched
 
 
@@ -174,8 +169,6 @@ def test_validation_errors(backend: str) -> None:
         K.gather_masked(torch.zeros(4), mask, backend=backend)
     with pytest.raises(ValueError, match="popcount"):
         K.scatter_masked(torch.zeros(3), mask, torch.zeros(3), backend=backend)
-    with pytest.raises(ValueError, match="popcount"):
-        K.scatter_masked_packed(torch.zeros(1), K.pack_bits(mask), torch.zeros(3), backend=backend)
     with pytest.raises(TypeError, match="dtype"):
         K.scatter_masked(torch.zeros(2, dtype=torch.float64), mask, torch.zeros(3),
                          backend=backend)

@@ -77,11 +77,7 @@ def test_step_timer_never_synchronizes_inside_a_step(monkeypatch):
 
 
 def _step_sync_worker(rank, world, cfg_kw, steps):
-    # the rules are CUDA's: the static-shape path a CUDA device runs (the CPU's top-k reads
-    # sizes on the host, which stalls nothing there; tests/test_scape_units.py checks they
-    # select the same)
-    static = {"static_shapes": True} if cfg_kw["name"] == "scape" else {}
-    strategy, wrapped, _ = make(OptimizerConfig(**cfg_kw, **static), width=64)
+    strategy, wrapped, _ = make(OptimizerConfig(**cfg_kw), width=64)
     counts = []
     for t in range(1, steps + 1):
         x, y = batch(t, rank)
@@ -139,8 +135,7 @@ def test_the_counter_sees_host_data_and_blocking_copies_to_a_device():
 
 
 @pytest.mark.parametrize("extra", [["optimizer=scape", "optimizer.density=0.1",
-                                    "optimizer.density_warmup_steps=2",
-                                    "optimizer.static_shapes=true"], ["optimizer=adamw"]],
+                                    "optimizer.density_warmup_steps=2"], ["optimizer=adamw"]],
                          ids=["scape", "adamw"])
 def test_trainer_step_makes_one_host_sync(tmp_path, tmp_path_factory, extra, monkeypatch):
     """The loss agreement is the step's one read; metrics are read at log steps only."""

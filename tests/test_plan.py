@@ -108,14 +108,11 @@ STEP_CASES = {
     "adamw": ["optimizer=adamw"],
     "adamw_loop": ["optimizer=adamw", "optimizer.foreach=false"],
     "adams_official": ["optimizer=adams", "optimizer.bias_correction=official"],
-    # the traced fused step is the static-shape path: the real one runs it too (the CPU's
-    # data-dependent path allocates less; the warm-up test below checks the plan bounds it)
-    "scape": ["optimizer=scape", "optimizer.density=0.05", "optimizer.density_warmup_steps=0",
-              "optimizer.static_shapes=true"],
+    "scape": ["optimizer=scape", "optimizer.density=0.05", "optimizer.density_warmup_steps=0"],
     "scape_sharded": ["optimizer=scape", "optimizer.sharded=true", "optimizer.density=0.05",
-                      "optimizer.density_warmup_steps=0", "optimizer.static_shapes=true"],
+                      "optimizer.density_warmup_steps=0"],
     "scape_sharded_dense": ["optimizer=scape", "optimizer.sharded=true", "optimizer.density=1.0",
-                            "optimizer.density_warmup_steps=0", "optimizer.static_shapes=true"],
+                            "optimizer.density_warmup_steps=0"],
     "topk": ["optimizer=topk_adamw", "optimizer.density=0.05"],
     "diloco": ["strategy=diloco", "optimizer=adamw", "strategy.inner_steps=1"],
     "gasloc": ["strategy=gasloc", "optimizer=adams", "strategy.inner_steps=1",

@@ -260,10 +260,3 @@ def test_a_segment_without_ones_still_gets_its_weight_decay(sharded):
     _close(runs["reference"][0], runs["fused"][0])
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_static_shapes_still_equal_the_reference(sharded):
-    """``static_shapes`` (what the NCCL-rule tests and the plan's trace run): the CPU's
-    data-dependent top-k is not taken, the fused path still equals the reference."""
-    _compare(_pair_run(0, sharded=sharded, static_shapes=True))
-    s, _, _ = make(_cfg(static_shapes=True))
-    assert not s.host_reads and make(_cfg())[0].host_reads

@@ -82,42 +82,6 @@ def test_topk_mask_exact_k_and_excluded_ones():
             assert chosen.min() >= stat[lay.offsets[i]:lay.offsets[i + 1]].abs()[~piece].max()
 
 
-def _as_set(idx: torch.Tensor) -> set[int]:
-    return set(idx.tolist())
-
-
-@pytest.mark.parametrize("n,k", [(100_000, 1000), (100_000, 10_000), (333_331, 3333),
-                                 (2_000_000, 20_000), (4097, 40), (5000, 4000)])
-def test_cpu_threshold_top_k_selects_what_torch_topk_selects(n, k):
-    from scape_train.optim.scape.masks import top_k_indices
-
-    g = torch.Generator().manual_seed(n + k)
-    outlier_column = torch.rand(n, generator=g)
-    outlier_column[::64] *= 100.0          # one feature much larger in every row of 64
-    for a in (torch.randn(n, generator=g).abs(), torch.rand(n, generator=g) ** 8, outlier_column):
-        got = top_k_indices(a, k, host_reads=True)
-        assert got.numel() == k and _as_set(got) == _as_set(torch.topk(a, k).indices)
-
-
-def test_cpu_threshold_top_k_with_ties_and_a_misleading_sample():
-    """Ties (unused embedding rows: |c| = 0 for most entries) give a valid top-k; a sample whose
-    threshold leaves fewer than k candidates falls back to torch.topk over all."""
-    from scape_train.optim.scape import masks
-
-    n, k = 100_000, 1000
-    a = torch.zeros(n)
-    a[:700] = torch.rand(700) + 1.0        # fewer nonzeros than k: the rest are tied zeros
-    got = masks.top_k_indices(a, k, host_reads=True)
-    assert got.numel() == k and len(_as_set(got)) == k
-    assert _as_set(got) >= set(range(700))
-    a = torch.rand(n)
-    size = masks._SAMPLE_ONES * n // k
-    masks.top_k_indices(a, k, host_reads=True)                                    # builds the fixed sample
-    sampled = masks._samples[(n, size)].unique()[:400]
-    a[sampled] = 10.0                      # the sample's top 320 are 10: threshold 10, 400 found
-    assert _as_set(masks.top_k_indices(a, k, host_reads=True)) == _as_set(torch.topk(a, k).indices)
-
-
 def test_mask_exchange_round_trip_one_process():
     lay = layout_of(tiny_model())
     part = build_partition(lay, 1, "flat")

@@ -35,7 +35,6 @@ class OptimizerConfig:
     scape_impl: str = "fused"          # scape: fused (O(k) local step) | reference (spec line by line)
     payload_dtype: str = "fp32"       # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 (error feedback)
     flat_grads: bool = True           # p.grad are views of one flat buffer (scape) or of DDP's buckets (dense, world > 1); off: autograd's
-    static_shapes: bool = False       # scape: the GPU's static-shape ops on the CPU too (no host reads)
     # PowerSGD baseline
     powersgd_rank: int = 4            # PowerSGD baseline: rank of the low-rank approximation
     powersgd_start_iter: int = 10     # PowerSGD: dense steps before compression (>= 2)

@@ -16,9 +16,8 @@ whole input (16 bytes per element of workspace). The traced step runs the torch 
 allocator's blocks.
 
 Fake tensors also hold the code to its no-host-sync rule: a value read on the host in the step
-(``.item()``, ``.tolist()``, a data-dependent shape) fails the trace. It runs the static-shape
-path (``optimizer.static_shapes``); the CPU's data-dependent path allocates less (its
-top-k keeps ~1.25k candidates instead of sorting a segment), so the figure bounds it.
+(``.item()``, ``.tolist()``, a data-dependent shape) fails the trace; the step has one path on
+every device, the static-shape one a GPU needs.
 """
 
 from __future__ import annotations
@@ -94,10 +93,9 @@ def trace_step(cfg, model_cfg, vocab_size: int, world: int, density: float, on_g
     ``density``, traced on the rank owning the largest range of ``world``."""
     from scape_train.models.build import resolve_config
 
-    # the static-shape path a GPU runs: fake tensors have no values to read back
     o = dataclasses.replace(cfg.optimizer, density=density, density_warmup_steps=0,
                             density_start_step=0, density_cooldown_steps=0,
-                            scape_impl=engine, use_triton="off", static_shapes=True)
+                            scape_impl=engine, use_triton="off")
     return _trace(o, resolve_config(model_cfg, vocab_size), world, density, on_gpu)
 
 

@@ -112,10 +112,9 @@ class _FusedEngine:
     strategy calls :meth:`forget_support` whenever the state changes under another path."""
 
     def __init__(self, state: ScapeState, layout: ParamLayout, part: PartitionMap,
-                 cfg: OptimizerConfig, comm: Comm, backend: str, lib=None):
+                 cfg: OptimizerConfig, comm: Comm, lib=None):
         assert fuses(cfg.offload_residuals)
-        self.state, self.layout, self.part, self.cfg, self.comm, self.backend = \
-            state, layout, part, cfg, comm, backend
+        self.state, self.layout, self.part, self.cfg, self.comm = state, layout, part, cfg, comm
         self.codec = PayloadCodec(cfg.payload_dtype)
         self.record = False          # tests: keep this step's intermediates in ``last``
         self.last: dict[str, torch.Tensor] = {}
@@ -281,16 +280,6 @@ class _FusedEngine:
         theta_c.addcdiv_(m_new, denom.add_(hp.eps), value=-hp.step_size)
         return m_new
 
-    def _given(self, mask: Mask | None, counts: list[list[int]] | None
-               ) -> torch.Tensor | None:
-        """M_t's indices from the decode when they hold the ``counts`` ones (what
-        ``mask.index`` will return to the update), for a prepare that walks them; else
-        ``None``."""
-        idx = None if mask is None else mask.indices
-        if idx is None or counts is None or idx.numel() != sum(map(sum, counts)):
-            return None
-        return idx
-
     def _set_momentum(self, m: torch.Tensor, idx: torch.Tensor, m_new: torch.Tensor) -> None:
         """``m ← 0`` off the mask (only the previous mask can be nonzero), ``m[idx] ← m_new``."""
         if self._pidx is None:
@@ -312,32 +301,22 @@ class FusedReplicatedScape(_FusedEngine):
         self._wire_err: torch.Tensor | None = None   # a low-precision payload's error at M_t
         self._c_sq: torch.Tensor | None = None   # Σ c² from the kernels' prepare
         self._cut = None                    # Σ_M c² from the kernels' payload gather
-        self._payload = None                # (M_t's indices, c there, m there): the prepare's
 
     def prepare(self, g, mask: Mask | None, counts: list[list[int]] | None = None
                 ) -> torch.Tensor:
         """§2 line 1: ``e ← c = β1·m + (1-β1)·g + e``. ``g``: the per-tensor gradients (flattened views of
-        ``p.grad``, consumed: scaled in place), or the flat gradient on the reference path. The
-        residual fold ``e = (1-M)⊙c`` happens in :meth:`finish_step`, after the top-k read ``c``."""
+        ``p.grad``, consumed: scaled in place). The residual fold ``e = (1-M)⊙c`` happens in
+        :meth:`finish_step`, after the top-k read ``c``; ``mask`` and ``counts`` (M_t) are part of
+        the engines' common call, which the reference's fold reads."""
         beta1 = self.cfg.betas[0]
         # with m's support known, every branch writes e there before reading it: the previous
         # step's deferred fold (e[M] = 0, finish_step) is skipped, not applied
         e = (self.state.residual.tensor() if self._pidx is None
              else self.state.residual.overwriting(self._pidx))
-        self._c_sq, self._payload = None, None
+        self._c_sq = None
         lib = self._passes(g)
         offs = self.layout.offsets
-        flat = None if lib is None else passes.flat_buffer(g, offs)
-        idx = self._given(mask, counts)     # M_t's indices, when the decode gave them
-        if self._pidx is not None and flat is not None and idx is not None:
-            # the two lines below, the payload gather and m's (m then zeroed on its support:
-            # the update sets it at M_t from m_old) in one walk of one flat gradient
-            payload, m_old = (torch.empty(idx.numel(), dtype=torch.float32, device=e.device)
-                              for _ in range(2))
-            self._c_sq = lib.prepare_gather(flat, e, self.state.m, self._pidx, idx, payload,
-                                            m_old, beta1, 1.0 - beta1)   # Σ c² off M_t
-            self._cut, self._payload = 0.0, (idx, payload, m_old)
-        elif self._pidx is None and lib is not None:   # the general line below, in kernels
+        if self._pidx is None and lib is not None:   # the general line below, in kernels
             self._c_sq = lib.prepare_general(g, offs, e, self.state.m, beta1, 1.0 - beta1)
         elif self._pidx is None:        # m may be nonzero anywhere (first step, after a load)
             w = torch._foreach_mul(self._views(self.state.m), beta1)
@@ -405,28 +384,20 @@ class FusedReplicatedScape(_FusedEngine):
 
     def _update_passes(self, lib, idx: torch.Tensor, k: int, counts: list[list[int]],
                        lr: float, step: int, during_payload) -> tuple[dict, object]:
-        """:meth:`update` with its O(k) passes in Triton: the payload (gathered by the
-        prepare's walk when it could), ĝ and its norm, AdamS at the mask positions with the
-        weight decay in its walk of θ, the momentum; the all-reduce as on the torch path."""
+        """:meth:`update` with its O(k) passes in Triton: the payload, ĝ and its norm, AdamS at
+        the mask positions with the weight decay in its walk of θ, the momentum; the all-reduce
+        as on the torch path."""
         cfg, c, m = self.cfg, self._c, self.state.m
-        gathered, self._payload = self._payload, None
-        # the prepare's walk changed m (and e) for these indices: no other path may follow
-        assert gathered is None or gathered[0] is idx, "the prepare walked other indices"
-        if gathered is not None:                             # by the prepare's walk, which
-            _, payload, m_old = gathered                        # zeroed m on its old support
-            m_at, old_support = None, torch.zeros(0, dtype=torch.int64, device=m.device)
-        else:
-            payload, m_old = (torch.empty(k, dtype=torch.float32, device=c.device)
-                           for _ in range(2))
-            self._cut = lib.gather(idx, c, payload)    # and Σ_M c², for the metric
-            m_at, old_support = m, self._pidx                # ĝ's pass gathers m into m_old
+        payload, m_old = (torch.empty(k, dtype=torch.float32, device=c.device) for _ in range(2))
+        self._cut = lib.gather(idx, c, payload)    # and Σ_M c², for the metric
         overlapped = _overlapped(self.comm.all_reduce(payload, kind="payload", average=True,
                                                       async_op=True), during_payload)
-        sq = lib.ghat(payload, m_old, cfg.betas[0], idx=idx, m=m_at)   # payload becomes ĝ
+        # payload becomes ĝ; m at the mask gathered into m_old, for AdamS
+        sq = lib.ghat(payload, m_old, cfg.betas[0], idx=idx, m=m)
         norm = _root(sq).float()
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         mi = self._index(idx, counts)
-        lib.adams(idx, 0, 0, payload, m_old, m, old_support, self._segments(mi, 0, k, lr),
+        lib.adams(idx, 0, 0, payload, m_old, m, self._pidx, self._segments(mi, 0, k, lr),
                   self._adams_step(lr, step), coef)                            # and m
         self._decay_empty(mi, lr)
         self._pidx = idx
@@ -473,7 +444,6 @@ class FusedShardedScape(_FusedEngine):
         self._x: torch.Tensor | None = None
         self._pidx_own: torch.Tensor | None = None
         self._x_sq: torch.Tensor | None = None   # Σ x² from the kernels' prepare
-        self._taken = None                  # the payload's rows etc., taken by the prepare
 
     def prepare(self, g, mask: Mask | None, counts: list[list[int]] | None = None
                 ) -> torch.Tensor:
@@ -482,15 +452,9 @@ class FusedShardedScape(_FusedEngine):
         beta1 = self.cfg.betas[0]
         eps_ = self.state.residual.tensor()
         lib = self._passes(g) if self._pidx is not None else None
-        self._x_sq, self._taken = None, None
+        self._x_sq, self._x = None, eps_
         if lib is not None:            # ε ← x, ρ ← base and c^(o) = base + x^(o), in one pass
-            flat = passes.flat_buffer(g, self.layout.offsets)
             cand = torch.empty(self.hi - self.lo, dtype=torch.float32, device=eps_.device)
-            idx = self._given(mask, counts)
-            self._x = eps_
-            if flat is not None and idx is not None:
-                self._taken = self._prepare_take(lib, flat, eps_, cand, idx, counts)
-                return cand
             self._x_sq = lib.prepare_sharded(g, self.layout.offsets, eps_, self.state.rho,
                                              self.state.m, self._pidx_own, self.lo, self.hi,
                                              cand, beta1, 1.0 - beta1)
@@ -501,27 +465,7 @@ class FusedShardedScape(_FusedEngine):
         else:                                                # ρ = 0 where m may be nonzero
             p = self._pidx_own
             self.state.rho.index_copy_(0, p, self.state.m.index_select(0, p).mul_(beta1))
-        self._x = eps_
         return torch.add(self.state.rho, eps_[self.lo:self.hi])    # base + x^(o) = c^(o)
-
-    def _prepare_take(self, lib, g: torch.Tensor, x: torch.Tensor, cand: torch.Tensor,
-                      idx: torch.Tensor, seg_counts: list[list[int]]) -> tuple:
-        """The kernels' prepare walk (one flat gradient) that also takes M_t's payload into the
-        reduce-scatter's rows (ε = (1-M)⊙x), gathers the owner's m and ρ at its entries (ρ then
-        zeroed) and zeroes m on its old support: ``(idx, rows, m there, ρ there, Σ ε²)``."""
-        comm, beta1 = self.comm, self.cfg.betas[0]
-        counts = [sum(c) for c in seg_counts]
-        width = max(1, max(counts))
-        starts = [sum(counts[:r]) for r in range(comm.world)]
-        send = torch.zeros(comm.world, width, dtype=torch.float32, device=x.device)
-        a = starts[comm.rank]
-        own = slice(a, a + counts[comm.rank])
-        m_old, rho_at = (torch.empty(own.stop - a, dtype=torch.float32, device=x.device)
-                         for _ in range(2))
-        sq = lib.prepare_take(g, x, self.state.rho, self.state.m, self._pidx_own, self.lo,
-                              self.hi, cand, idx, starts, send, own, m_old, rho_at, beta1,
-                              1.0 - beta1)
-        return idx, send, m_old, rho_at, sq
 
     def update(self, mask: Mask, lr: float, step: int, seg_counts: list[list[int]],
                during_payload=None) -> tuple[dict, object]:
@@ -639,56 +583,42 @@ class FusedShardedScape(_FusedEngine):
                        counts: list[int], starts: list[int], width: int, lr: float, step: int,
                        during_payload) -> tuple[dict, object]:
         """:meth:`update` with its O(k) passes in Triton (the payload gathered straight
-        into the reduce-scatter's rows, by the prepare's walk when it could; ĝ and ρ's fold,
-        AdamS into the shard, the parameters from the gathered shards with the weight decay in
-        the same walk of θ, the momentum); the collectives as in torch."""
+        into the reduce-scatter's rows; ĝ and ρ's fold, AdamS into the shard, the parameters
+        from the gathered shards with the weight decay in the same walk of θ, the momentum);
+        the collectives as in torch."""
         cfg, x, comm, m = self.cfg, self._x, self.comm, self.state.m
         world, rank, lo = comm.world, comm.rank, self.lo
-        taken, self._taken = self._taken, None
         k_own, s_own = counts[rank], starts[rank]
         own = idx[s_own:s_own + k_own]
-        # the prepare's walk changed x, ρ and m for these indices: no other path may follow
-        assert taken is None or taken[0] is idx, "the prepare walked other indices"
-        if taken is not None:                       # by the prepare's walk: the rows, and the
-            _, send, m_old, rho_at, res_sq = taken     # owner's m and ρ (both zeroed there)
-            cut, old_support = 0.0, torch.zeros(0, dtype=torch.int64, device=x.device)
-        else:
-            res_sq, rho_at, old_support = None, None, self._pidx_own
-            send = torch.zeros(world, width, dtype=torch.float32, device=x.device)
-            cut = 0.0
-            for r, k in enumerate(counts):   # the payload rows, and ε = (1-M)⊙x in one pass
-                if k:
-                    cut = cut + lib.take(idx[starts[r]:starts[r] + k], x, send[r])
-            m_old = torch.empty(k_own, dtype=torch.float32, device=x.device)  # old m at the mask
+        send = torch.zeros(world, width, dtype=torch.float32, device=x.device)
+        cut = 0.0
+        for r, k in enumerate(counts):   # the payload rows, and ε = (1-M)⊙x in one pass
+            if k:
+                cut = cut + lib.take(idx[starts[r]:starts[r] + k], x, send[r])
+        m_old = torch.empty(k_own, dtype=torch.float32, device=x.device)  # old m at the mask
         recv = torch.empty(width, dtype=torch.float32, device=x.device)
         overlapped = _overlapped(comm.reduce_scatter(recv, send.view(-1), kind="payload",
                                                      average=True, async_op=True),
                                  during_payload)
         del send
-        ghat = recv[:k_own]
-        if rho_at is None:      # recv = ĝ; ρ = (1-M)⊙base; m gathered into m_old
-            sq = lib.ghat(ghat, m_old, cfg.betas[0], idx=own, base=lo, rho=self.state.rho, m=m)
-        else:                   # b̄ + ρ (the ĝ pass's first add), then ĝ from m_old
-            sq = lib.ghat(ghat.add_(rho_at), m_old, cfg.betas[0])
+        ghat = recv[:k_own]     # recv = ĝ; ρ = (1-M)⊙base; m gathered into m_old
+        sq = lib.ghat(ghat, m_old, cfg.betas[0], idx=own, base=lo, rho=self.state.rho, m=m)
         sq_t = sq.float().reshape(1)
         comm.all_reduce(sq_t, kind="norm", average=False)
         norm = sq_t.sqrt()[0]
         coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         x_sq, self._x_sq = self._x_sq, None
-        if res_sq is not None:
-            res = _root(res_sq)
-        else:
-            res = (torch.linalg.vector_norm(x).double() if x_sq is None else _root(x_sq, cut))
+        res = torch.linalg.vector_norm(x).double() if x_sq is None else _root(x_sq, cut)
         mi = self._index(idx, seg_counts)
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
         if k_own:     # θ·(1 - lr·wd) + the update into the shard; θ itself is not written yet
-            lib.adams(idx, s_own, lo, ghat, m_old, m, old_support,
+            lib.adams(idx, s_own, lo, ghat, m_old, m, self._pidx_own,
                       self._segments(mi, s_own, s_own + k_own, lr), self._adams_step(lr, step),
                       coef, out=shard)                         # and m (own range)
-        elif old_support is None:
+        elif self._pidx_own is None:
             m.zero_()
         else:
-            m.index_fill_(0, old_support, 0.0)
+            m.index_fill_(0, self._pidx_own, 0.0)
         gathered = torch.empty(width * world, dtype=torch.float32, device=x.device)
         comm.all_gather(gathered, shard, kind="params")
 

@@ -20,56 +20,10 @@ from .mask_format import bits_bytes
 from .partition import ParamLayout, PartitionMap
 
 
-# CPU top-k by threshold selection (top_k_indices with host reads): a device's torch.topk is a
-# radix select with no host read; the CPU's sorts (value, index) pairs of its whole input, the
-# largest CPU item of a SCAPE step.
-_SAMPLE_ONES = 256      # expected ones of the mask in the threshold's sample
-_OVERSHOOT = 1.25       # the threshold keeps ~1.25k candidates: below k only ~4 sigma away
-_samples: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _sample(a: torch.Tensor, k: int) -> torch.Tensor | None:
-    """The threshold's sample of positions for a top-k of ``k`` of ``a`` (fixed per shape: the
-    selection is a function of ``a`` only), or ``None`` for a dense pick, where the threshold
-    does not pay."""
-    n = a.numel()
-    size = min(n, _SAMPLE_ONES * n // max(k, 1))
-    if 8 * k > n or size >= n // 2:
-        return None
-    key = (n, size)
-    if key not in _samples:
-        if len(_samples) > 256:
-            _samples.clear()
-        gen = torch.Generator().manual_seed(n)
-        _samples[key] = torch.randint(n, (size,), generator=gen)
-    return _samples[key]
-
-
-def top_k_indices(a: torch.Tensor, k: int, host_reads: bool = False) -> torch.Tensor:
-    """Indices (in no order) of the ``k`` largest entries of the non-negative ``a``: exactly
-    ``torch.topk(a, k).indices`` as a set (the same values; ties broken either way).
-
-    ``host_reads`` (the CPU, where a read stalls no device queue): a threshold from a fixed pseudo-random sample (its ``_OVERSHOOT·k``-th largest,
-    scaled), every entry at or above it (~1.25k candidates, counted: a host read, which on the CPU
-    stalls nothing), and torch.topk over the candidates only; if the sample's threshold left fewer
-    than k, torch.topk over all. A few linear passes instead of a sort of the whole segment."""
-    sample_idx = _sample(a, k) if host_reads else None
-    if sample_idx is None:         # a device, or a dense pick: topk's radix select / sort
-        return torch.topk(a, k, sorted=False).indices
-    sample = a.index_select(0, sample_idx)
-    threshold = torch.topk(sample, int(_SAMPLE_ONES * _OVERSHOOT), sorted=False).values.min()
-    keep = a >= threshold
-    m = int(torch.count_nonzero(keep))
-    if m < k:
-        return torch.topk(a, k, sorted=False).indices
-    cand = nonzero_sorted(keep, m)
-    return cand.index_select(0, torch.topk(a.index_select(0, cand), k, sorted=False).indices)
-
-
 def topk_own_mask(stat_own: torch.Tensor, part: PartitionMap, rank: int, layout: ParamLayout,
-                  density: float, host_reads: bool = False) -> torch.Tensor:
-    """The owner's bits over its range ``[lo, hi)``: top-k of ``|stat|`` per segment
-    (``host_reads``: :func:`top_k_indices`'s)."""
+                  density: float) -> torch.Tensor:
+    """The owner's bits over its range ``[lo, hi)``: top-k of ``|stat|`` per segment (torch.topk:
+    a radix select on a device, no host read; ties broken either way)."""
     lo, hi = part.ranges[rank]
     bits = torch.zeros(hi - lo, dtype=torch.bool, device=stat_own.device)
     for seg in part.segments[rank]:
@@ -79,8 +33,8 @@ def topk_own_mask(stat_own: torch.Tensor, part: PartitionMap, rank: int, layout:
         if layout.excluded[seg.tensor] or k >= seg.numel:
             piece.fill_(True)
         else:
-            piece.index_fill_(0, top_k_indices(stat_own[a:a + seg.numel].abs(), k, host_reads),
-                              True)
+            top = torch.topk(stat_own[a:a + seg.numel].abs(), k, sorted=False).indices
+            piece.index_fill_(0, top, True)
     return bits
 
 

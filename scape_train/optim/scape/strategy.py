@@ -26,7 +26,7 @@ from ..config import OptimizerConfig
 from ..density import DensitySchedule
 from ..grad_buffer import FlatGradBuffer
 from ..state import FlatShard, ShardSource, StateParts
-from .kernels import pack_bits, select_passes, unpack_bits
+from .kernels import pack_bits, resolve_backend, select_passes, unpack_bits
 from .masks import (Mask, MaskExchange, PendingMask, mask_counts, measured_counts, overlap,
                     topk_own_mask)
 from .partition import ParamLayout, build_partition
@@ -47,20 +47,19 @@ class ScapeStrategy(OptimizerStrategy):
         self.layout = ParamLayout(model, weight_decay=cfg.weight_decay,
                                   exclude_norm_bias=cfg.exclude_norm_bias)
         self._check_backend()
-        self.backend = _KERNEL_BACKEND[cfg.use_triton]
-        # the fused step's Triton passes, or None (torch ops); fails now, not at the first
-        # step, when Triton is forced where it cannot run
+        # the kernels, chosen once: "triton" or "torch" for the mask kernels and codings, the
+        # fused step's Triton passes or None (its torch ops); fails now, not at the first step,
+        # when Triton is forced where it cannot run
+        self.backend = resolve_backend(_KERNEL_BACKEND[cfg.use_triton],
+                                       torch.empty(0, device=self.layout.device))
         self.passes = select_passes(self.backend, self.layout.device)
-        # the CPU may read sizes and values back (no device queue to stall) unless the GPU's
-        # static-shape ops are asked for (optimizer.static_shapes)
-        self.host_reads = self.layout.device.type == "cpu" and not cfg.static_shapes
         self.part = build_partition(self.layout, self.comm.world, cfg.partitioner)
         self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.backend,
                                      layout=self.layout, coding=cfg.mask_coding)
         reference, fused = ((ShardedScape, FusedShardedScape) if cfg.sharded
                             else (ReplicatedScape, FusedReplicatedScape))
-        args = (self.layout, self.part, cfg, self.comm, self.backend)
-        self.reference = reference(*args)
+        args = (self.layout, self.part, cfg, self.comm)
+        self.reference = reference(*args, self.backend)
         # the O(k) engine, where the configuration allows it (fuses); it works on the
         # reference's state, and a step at a density it does not accept runs the reference
         self.fused = (fused(self.reference.state, *args, lib=self.passes) if cfg.scape_impl == "fused"
@@ -173,12 +172,12 @@ class ScapeStrategy(OptimizerStrategy):
             # the update: every owner holds m_t on its segments
             metrics, _ = engine.update(mask, lr, t, counts)
             own_bits = topk_own_mask(self._own_momentum(), self.part, self.comm.rank,
-                                     self.layout, d_next, self.host_reads)
+                                     self.layout, d_next)
         else:
             if self.cfg.mask_hysteresis > 0:
                 stat = self._with_hysteresis(stat, mask)
             next_topk = functools.partial(topk_own_mask, stat, self.part, self.comm.rank,
-                                          self.layout, d_next, self.host_reads)
+                                          self.layout, d_next)
             # an engine that overlaps runs it during its payload's collective and returns its
             # bits; the others return None and it runs here
             metrics, own_bits = engine.update(mask, lr, t, counts, during_payload=next_topk)
@@ -233,8 +232,7 @@ class ScapeStrategy(OptimizerStrategy):
         if density >= 1.0:
             return Mask.of(torch.ones(self.layout.total, dtype=torch.bool,
                                       device=self.layout.device))
-        bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, density,
-                             self.host_reads)
+        bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, density)
         return self.exchange.start(bits, density, async_op=False).mask()
 
     def close(self) -> None:

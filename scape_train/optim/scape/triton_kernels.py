@@ -10,8 +10,6 @@ Layout. Element ``i`` of a mask is bit ``i % 8`` of byte ``i // 8`` (little-endi
 2. an exclusive prefix sum over the block counts (``torch.cumsum``, exact in int64) gives each
    block's first payload slot; inside a block ``tl.cumsum`` of the bits gives each set element's
    slot. Gather stores ``values[i]`` at its slot, scatter loads it from there.
-Every kernel takes the mask either as bytes (one bool per byte) or packed (``PACKED=True``), so
-the GPU path can work on the bits that came over the wire without unpacking them.
 
 Values are moved as same-width integers (float32 as int32, bf16 as int16, ...): gather and scatter
 only copy bits, which keeps them exact for every dtype (NaN payloads included) and sidesteps the
@@ -36,16 +34,11 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @triton.jit
-def _load_bits(mask_ptr, offs, n, PACKED: tl.constexpr):
-    """int32 0/1 for elements ``offs`` (0 beyond ``n``); ``mask_ptr`` is bytes or packed bits."""
+def _load_bits(mask_ptr, offs, n):
+    """int32 0/1 for elements ``offs`` of a bool mask's bytes (0 beyond ``n``)."""
     inb = offs < n
-    if PACKED:
-        byte = tl.load(mask_ptr + (offs >> 3), mask=inb, other=0).to(tl.int32)
-        bits = (byte >> (offs & 7).to(tl.int32)) & 1
-    else:
-        bits = tl.load(mask_ptr + offs, mask=inb, other=0).to(tl.int32)
-        bits = (bits != 0).to(tl.int32)
-    return tl.where(inb, bits, 0)
+    bits = tl.load(mask_ptr + offs, mask=inb, other=0).to(tl.int32)
+    return tl.where(inb, (bits != 0).to(tl.int32), 0)
 
 
 @triton.jit
@@ -72,34 +65,32 @@ def _unpack_kernel(packed_ptr, out_ptr, n, nbytes, BLOCK_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(mask_ptr, counts_ptr, n, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+def _count_kernel(mask_ptr, counts_ptr, n, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    bits = _load_bits(mask_ptr, offs, n, PACKED)
+    bits = _load_bits(mask_ptr, offs, n)
     tl.store(counts_ptr + pid, tl.sum(bits, axis=0).to(tl.int64))
 
 
 @triton.jit
-def _block_slots(mask_ptr, starts_ptr, n, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+def _block_slots(mask_ptr, starts_ptr, n, BLOCK: tl.constexpr):
     """This block's element offsets, each set element's payload slot, and which are set."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    bits = _load_bits(mask_ptr, offs, n, PACKED)
+    bits = _load_bits(mask_ptr, offs, n)
     slot = tl.load(starts_ptr + pid) + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
     return offs, slot, bits != 0
 
 
 @triton.jit
-def _gather_kernel(values_ptr, mask_ptr, starts_ptr, out_ptr, n, PACKED: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    offs, slot, keep = _block_slots(mask_ptr, starts_ptr, n, PACKED, BLOCK)
+def _gather_kernel(values_ptr, mask_ptr, starts_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs, slot, keep = _block_slots(mask_ptr, starts_ptr, n, BLOCK)
     tl.store(out_ptr + slot, tl.load(values_ptr + offs, mask=keep), mask=keep)
 
 
 @triton.jit
-def _scatter_kernel(payload_ptr, mask_ptr, starts_ptr, out_ptr, n, PACKED: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    offs, slot, keep = _block_slots(mask_ptr, starts_ptr, n, PACKED, BLOCK)
+def _scatter_kernel(payload_ptr, mask_ptr, starts_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs, slot, keep = _block_slots(mask_ptr, starts_ptr, n, BLOCK)
     tl.store(out_ptr + offs, tl.load(payload_ptr + slot, mask=keep), mask=keep)
 
 
@@ -123,14 +114,13 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
     return flat.view(int_dtype)
 
 
-def _block_starts(mask_flat: torch.Tensor, n: int, packed: bool, known: int | None = None
+def _block_starts(mask_flat: torch.Tensor, n: int, known: int | None = None
                   ) -> tuple[torch.Tensor, int]:
     """Exclusive prefix sum of per-block popcounts, and the total popcount: ``known`` when the
     caller knows it (no host sync), else read back (one host sync)."""
     nblocks = triton.cdiv(n, BLOCK)
     counts = torch.empty(nblocks, dtype=torch.int64, device=mask_flat.device)
-    _count_kernel[(nblocks,)](mask_flat, counts, n, PACKED=packed, BLOCK=BLOCK,
-                              num_warps=NUM_WARPS)
+    _count_kernel[(nblocks,)](mask_flat, counts, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
     ends = torch.cumsum(counts, dim=0)
     return ends - counts, (int(ends[-1]) if known is None else known)
 
@@ -158,34 +148,29 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return out.view(torch.bool)
 
 
-def popcount_packed(packed: torch.Tensor) -> int:
-    n = packed.numel() * 8
-    if n == 0:
-        return 0
-    return _block_starts(packed.contiguous(), n, packed=True)[1]
-
-
-def _gather(values: torch.Tensor, mask_flat: torch.Tensor, packed: bool,
-            count: int | None = None) -> torch.Tensor:
+def gather_masked(values: torch.Tensor, mask: torch.Tensor, count: int | None = None
+                  ) -> torch.Tensor:
+    mask_flat = _as_bytes(mask)
     n = values.numel()
     if n == 0:
         return values.new_empty(0)
-    starts, total = _block_starts(mask_flat, n, packed, count)
+    starts, total = _block_starts(mask_flat, n, count)
     src = _as_int(values)
     out = torch.empty(total, dtype=src.dtype, device=values.device)
     if total:
-        _gather_kernel[(starts.numel(),)](src, mask_flat, starts, out, n, PACKED=packed,
-                                          BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _gather_kernel[(starts.numel(),)](src, mask_flat, starts, out, n, BLOCK=BLOCK,
+                                          num_warps=NUM_WARPS)
     return out.view(values.dtype)
 
 
-def _scatter(payload: torch.Tensor, mask_flat: torch.Tensor, out: torch.Tensor,
-             packed: bool, count: int | None = None) -> torch.Tensor:
+def scatter_masked(payload: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
+                   count: int | None = None) -> torch.Tensor:
+    mask_flat = _as_bytes(mask)
     n = out.numel()
     if n == 0:
         check_payload_count(payload.numel(), 0)
         return out
-    starts, total = _block_starts(mask_flat, n, packed, count)
+    starts, total = _block_starts(mask_flat, n, count)
     check_payload_count(payload.numel(), total)
     if total == 0:
         return out
@@ -193,26 +178,7 @@ def _scatter(payload: torch.Tensor, mask_flat: torch.Tensor, out: torch.Tensor,
     # work on a contiguous copy and copy it back, which keeps the "in place" contract
     dst = out if out.is_contiguous() else out.contiguous()
     _scatter_kernel[(starts.numel(),)](_as_int(payload), mask_flat, starts, _as_int(dst), n,
-                                       PACKED=packed, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                       BLOCK=BLOCK, num_warps=NUM_WARPS)
     if dst is not out:
         out.copy_(dst)
     return out
-
-
-def gather_masked(values: torch.Tensor, mask: torch.Tensor, count: int | None = None
-                  ) -> torch.Tensor:
-    return _gather(values, _as_bytes(mask), packed=False, count=count)
-
-
-def gather_masked_packed(values: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return _gather(values, packed.contiguous(), packed=True)
-
-
-def scatter_masked(payload: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
-                   count: int | None = None) -> torch.Tensor:
-    return _scatter(payload, _as_bytes(mask), out, packed=False, count=count)
-
-
-def scatter_masked_packed(payload: torch.Tensor, packed: torch.Tensor, out: torch.Tensor
-                          ) -> torch.Tensor:
-    return _scatter(payload, packed.contiguous(), out, packed=True)

@@ -409,14 +409,6 @@ class TritonPasses:
                 BLOCK=K_BLOCK, **_OPTS)
         return parts.sum()
 
-    def _prepare_sharded(self, grads, offsets, x, rho, m, pidx_own, lo, hi, cand, beta1, s
-                         ) -> torch.Tensor:
-        def launch(a, n, _parts):
-            run(_rho_kernel, (triton.cdiv(n, K_BLOCK),), pidx_own[a:], n, rho, m, beta1,
-                BLOCK=K_BLOCK, **_OPTS)
-        self._over_k(pidx_own.numel(), launch, sums=False)    # first: the candidate reads ρ
-        return self._prepare(grads, offsets, x, s, lo=lo, hi=hi, rho=rho, cand=cand)
-
     # -- the passes -------------------------------------------------------------------------
     def prepare_general(self, grads: list[torch.Tensor], offsets: list[int], e: torch.Tensor,
                         m: torch.Tensor, beta1: float, s: float) -> torch.Tensor:
@@ -442,49 +434,12 @@ class TritonPasses:
         cand = ρ + x on the own range; Σ x²."""
         kp = pidx_own.numel()
         _count("prepare_sharded", 12 * offsets[-1] + 8 * (hi - lo) + 16 * kp)
-        return self._prepare_sharded(grads, offsets, x, rho, m, pidx_own, lo, hi, cand, beta1, s)
 
-    def prepare_gather(self, g: torch.Tensor, e: torch.Tensor, m: torch.Tensor,
-                       pidx: torch.Tensor, idx: torch.Tensor, payload: torch.Tensor,
-                       m_old: torch.Tensor, beta1: float, s: float) -> torch.Tensor:
-        """:meth:`prepare` over one flat gradient ``g``, then M_t's payload and m gathered at its
-        indices ``idx`` (into ``payload``, ``m_old``) and m zeroed on its old support; returns
-        Σ c² off M_t."""
-        kp, k, total = pidx.numel(), idx.numel(), g.numel()
-        _count("prepare_gather", 12 * total + 36 * kp + 24 * k)
-        offsets = [0, total]
-        sq = self._prepare([g], offsets, e, s)
-        if kp:
-            sq = sq + self._fix_support([g], offsets, e, m, pidx, [(0, 0, kp)], beta1, s)
-        sq = sq - self._gather(idx, e, payload)
-        self._gather(idx, m, m_old)
-        if kp:
-            self._fill(m, pidx, 0.0)
-        return sq
-
-    def prepare_take(self, g: torch.Tensor, x: torch.Tensor, rho: torch.Tensor, m: torch.Tensor,
-                     pidx_own: torch.Tensor, lo: int, hi: int, cand: torch.Tensor,
-                     idx: torch.Tensor, starts: list[int], send: torch.Tensor, own: slice,
-                     m_old: torch.Tensor, rho_at: torch.Tensor, beta1: float, s: float
-                     ) -> torch.Tensor:
-        """:meth:`prepare_sharded` over one flat gradient ``g``, then the owner's m and ρ
-        gathered at its entries ``idx[own]`` (ρ then zeroed there), m zeroed on its old support,
-        and each owner r's payload entries ``idx[starts[r]:starts[r + 1]]`` taken from x into
-        ``send[r]`` (x zeroed there); returns Σ x² of the new x."""
-        kp, k, n_own = pidx_own.numel(), idx.numel(), own.stop - own.start
-        _count("prepare_take", 12 * g.numel() + 8 * (hi - lo) + 28 * kp + 20 * k + 24 * n_own)
-        sq = self._prepare_sharded([g], [0, g.numel()], x, rho, m, pidx_own, lo, hi, cand, beta1,
-                                   s)
-        if n_own:
-            self._gather(idx[own], m, m_old, lo)
-            self._gather(idx[own], rho, rho_at, lo, take=True)
-        if kp:
-            self._fill(m, pidx_own, 0.0)
-        ends = starts[1:] + [k]
-        for r, (a, b) in enumerate(zip(starts, ends)):
-            if b > a:
-                sq = sq - self._gather(idx[a:b], x, send[r], take=True)
-        return sq
+        def launch(a, n, _parts):
+            run(_rho_kernel, (triton.cdiv(n, K_BLOCK),), pidx_own[a:], n, rho, m, beta1,
+                BLOCK=K_BLOCK, **_OPTS)
+        self._over_k(kp, launch, sums=False)        # first: the candidate reads ρ
+        return self._prepare(grads, offsets, x, s, lo=lo, hi=hi, rho=rho, cand=cand)
 
     def gather(self, idx: torch.Tensor, src: torch.Tensor, out: torch.Tensor, base: int = 0
                ) -> torch.Tensor:
