@@ -81,10 +81,12 @@ _triton_passes: dict[str, object] = {}
 def select_passes(backend: str, device: torch.device):
     """The fused step's passes for tensors on ``device`` under ``backend``: the Triton ones
     (:class:`.triton_passes.TritonPasses`, one per device) where :func:`resolve_backend` picks
-    Triton, else ``None``: the fused engine's torch ops, also the oracle the kernels are tested
-    against."""
+    Triton, else the torch ops (:class:`.torch_passes.TorchPasses`), also the oracle the kernels
+    are tested against."""
     if resolve_backend(backend, torch.empty(0, device=device)) != "triton":
-        return None
+        from .torch_passes import TorchPasses
+
+        return TorchPasses()
     key = str(device)
     if key not in _triton_passes:
         from .triton_passes import TritonPasses   # imports triton: only when chosen

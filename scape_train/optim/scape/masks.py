@@ -127,28 +127,20 @@ class Mask:
         return self.indices
 
 
-def overlap(cur: Mask, prev: Mask, lib=None) -> torch.Tensor:
+def overlap(cur: Mask, prev: Mask, lib) -> torch.Tensor:
     """Ones of ``cur`` that ``prev`` has too (the masks' temporal stability metric), as a
-    tensor, from the index lists when both have them: ``cur``'s looked up in ``prev``'s packed
-    bits -- the decode's, else marked in a scratch bitmap -- O(k) passes in the Triton kernels;
-    a bool map made for the count in torch ops (``lib``: the Triton passes, or ``None``).
-    Else one full-size AND of the bool tensors."""
+    tensor: from the index lists when both have them, O(k) in the passes ``lib``
+    (:func:`.kernels.select_passes`): ``cur``'s looked up in ``prev``'s packed bits, the decode's
+    or marked in a scratch bitmap. Else one full-size AND of the bool tensors."""
     a, b = cur.indices, prev.indices
     if a is None or b is None:
         return torch.count_nonzero(cur.dense(keep=False) & prev.dense(keep=False))
-    if not a.numel() or not b.numel():      # (an empty tensor's pointer is NULL)
+    if not a.numel() or not b.numel():
         return torch.zeros((), dtype=torch.int64, device=a.device)
-    if lib is not None and a.is_contiguous() and b.is_contiguous():
-        if prev.bits is not None:       # marked by the decode: the lookups only
-            bits, marked = prev.bits, None
-        else:
-            bits = torch.empty(bits_bytes(cur.total), dtype=torch.uint8, device=a.device)
-            marked = b
-        return lib.count_common(a, marked, bits)
-    # torch ops: a transient bool map (an index_put of bits with accumulate, ORing into bytes,
-    # is several times slower on the CPU)
-    seen = torch.zeros(cur.total, dtype=torch.bool, device=a.device).index_fill_(0, b, True)
-    return torch.count_nonzero(seen.index_select(0, a))
+    if prev.bits is not None:           # marked by the decode: the lookups only
+        return lib.count_common(a.contiguous(), None, prev.bits)
+    bits = torch.empty(bits_bytes(cur.total), dtype=torch.uint8, device=a.device)
+    return lib.count_common(a.contiguous(), b.contiguous(), bits)
 
 
 class PendingMask:
