@@ -6,14 +6,14 @@
 
 The step has one path on every device: static shapes (top-k by ``torch.topk``,
 ``nonzero_static``), nothing read back. Two variants of its fused step are counted:
-- ``torch ops``: ``use_triton=off`` -- the fused engine's torch ops (what CUDA ran before the
-  Triton passes);
+- ``torch ops``: ``use_triton=off`` -- the fused step's torch passes
+  (``optim/scape/torch_passes.py``);
 - ``Triton``: ``use_triton=on`` -- the Triton passes (``optim/scape/triton_passes.py``) and the
   Triton mask kernels (the payload codec is torch ops on every device), run here by Triton's
   interpreter (``TRITON_INTERPRET=1``) on CPU tensors. The interpreter is slow, so the model is
   a ~7M-parameter Llama, not bench_optim's 50M (bytes per parameter hardly depend on the size
   at a fixed density).
-Beside them, for scale: the CPU path (torch ops, host reads on) and dense AdamS.
+Beside them, for scale: dense AdamS.
 
 What is counted (``profiling.DeviceOpCounter``): every dispatched torch op's inputs and outputs,
 and every Triton pass by the elements it reads and writes (counted in ``triton_passes.TritonPasses``) -- logical

@@ -42,23 +42,18 @@ def variants() -> list[tuple]:
     out = []
     f32s = lambda *names: {n: F32 for n in names}     # noqa: E731
     for general, cand in ((True, False), (False, False), (False, True)):
-        out.append((tp._prepare_kernel, dict(blocks=P64, grad_table=P64, **f32s("e", "m"),
-                                             parts=F64, beta1="fp32", s="fp32", lo=A, hi=A,
-                                             **f32s("rho", "cand")),
-                    {"GENERAL": general, "CAND": cand, **fb}))
         # over one flat gradient buffer: n and the tensors divisible by 16 (as Triton
         # specializes them at a launch); the PTX must show 16-byte accesses
-        out.append((tp._prepare_flat_kernel, dict(n=A, **f32s("g", "e", "m"), parts=F64,
-                                                  beta1="fp32", s="fp32", lo=A, hi=A,
-                                                  **f32s("rho", "cand")),
+        out.append((tp._prepare_kernel, dict(n=A, **f32s("g", "e", "m"), parts=F64,
+                                             beta1="fp32", s="fp32", lo=A, hi=A,
+                                             **f32s("rho", "cand")),
                     {"GENERAL": general, "CAND": cand, **fb},
                     {"divisible": ("n", "g", "e", "m", "parts"), "vector_loads": True}))
-    out.append((tp._prepare_fix_kernel, dict(blocks=P64, support_table=P64, pidx=P64,
-                                             **f32s("e", "m"), parts=F64, beta1="fp32",
-                                             s="fp32"), kb))
     for al in (False, True):      # aligned: the streams' tensors and k divisible by 16
         want = ({"vector_loads": True, "divisible": ("k", "n", "idx", "pidx", "out", "b",
                                                      "m_old", "parts")},) if al else ()
+        out.append((tp._prepare_fix_kernel, dict(k=A, pidx=P64, **f32s("g", "e", "m"),
+                                                 parts=F64, beta1="fp32", s="fp32"), kb, *want))
         out.append((tp._rho_kernel, dict(pidx=P64, k=A, **f32s("rho", "m"), beta1="fp32"),
                     kb, *want))
         for take in (False, True):

@@ -68,9 +68,9 @@ def test_the_passes_ran_and_were_counted(sharded):
 
 @pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("flat_grads", [True, False])
-def test_the_prepare_kernel_over_one_flat_buffer_or_per_tensor(flat_grads, sharded, monkeypatch):
-    """The flat gradient buffer takes the flat prepare kernel (aligned, 16-byte accesses on a
-    GPU), autograd's own tensors the table kernel; both equal the torch ops."""
+def test_the_prepare_kernel_reads_the_flat_buffer_per_tensor_grads_take_torch(flat_grads, sharded, monkeypatch):
+    """The flat gradient buffer takes the prepare kernel (aligned, 16-byte accesses on a GPU);
+    autograd's own per-tensor gradients take the torch passes; both equal the torch ops."""
     from scape_train.optim.scape import triton_passes
 
     launched = []
@@ -82,8 +82,7 @@ def test_the_prepare_kernel_over_one_flat_buffer_or_per_tensor(flat_grads, shard
 
     monkeypatch.setattr(triton_passes, "run", spy)
     _assert_same(*_triton_vs_torch(0, sharded=sharded, flat_grads=flat_grads))
-    flat, table = launched.count("_prepare_flat_kernel"), launched.count("_prepare_kernel")
-    assert (flat > 0, table > 0) == (flat_grads, not flat_grads), launched
+    assert (launched.count("_prepare_kernel") > 0) == flat_grads, launched
 
 
 def _dist_worker(rank, world, sharded, partitioner):

@@ -112,8 +112,10 @@ class _FusedEngine:
         self.codec = PayloadCodec(cfg.payload_dtype)
         self.record = False          # tests: keep this step's intermediates in ``last``
         self.last: dict[str, torch.Tensor] = {}
-        self._torch = TorchPasses()
-        self._lib = lib or self._torch     # the passes (kernels.select_passes): chosen once
+        # the passes (kernels.select_passes): chosen once; the torch ones serve what the
+        # Triton kernels do not take
+        self._lib = lib or TorchPasses()
+        self._torch = self._lib if isinstance(self._lib, TorchPasses) else TorchPasses()
         self._pidx: torch.Tensor | None = None      # previous mask's indices (m's support)
         self._prev: _Plan | None = None             # ... and its plan
         self._plans: dict[tuple, _Plan] = {}
@@ -147,9 +149,10 @@ class _FusedEngine:
 
     def _passes(self, grads=None):
         """The chosen passes, or the torch ones where the Triton kernels do not apply: a
-        low-precision payload, a gradient that is not contiguous fp32."""
-        if self.codec.lowp or (grads is not None and not all(
-                g.dtype == torch.float32 and g.is_contiguous() for g in grads)):
+        low-precision payload, gradients that are not one flat fp32 buffer."""
+        if self.codec.lowp or (grads is not None and self._lib is not self._torch and (
+                grads[0].dtype != torch.float32
+                or passes.flat_buffer(grads, self.layout.offsets) is None)):
             return self._torch
         return self._lib
 
@@ -383,11 +386,13 @@ class FusedShardedScape(_FusedEngine):
         O(k)): the owner sends ``δ = θ_new - (1-lr·wd)·θ + u`` at its mask entries, coded like
         the payload, and keeps ``u ← δ - deq(q(δ))``; every rank then adds every owner's decoded
         update to its decayed θ at the mask."""
-        k_own, rank = own.numel(), self.comm.rank
+        k_own, rank, ops = own.numel(), self.comm.rank, self._torch
         u = self.state.update_residual
         if k_own:
-            decayed = torch.cat([s.param.index_select(0, idx[s.a:s.b] - s.offset).mul_(s.decay)
-                                 for s in own_segs])
+            decayed = ops.params_at(idx, own_segs)
+            for s in own_segs:
+                if s.decay != 1.0:
+                    decayed[s.a - j0:s.b - j0].mul_(s.decay)
             shard[:k_own].sub_(decayed).add_(u.index_select(0, own))
         applied = all_gather_rows(shard, self.comm, self.codec, kind="params")
         if self.record:
@@ -395,13 +400,12 @@ class FusedShardedScape(_FusedEngine):
             self.last["update_sent"] = applied[rank, :k_own].clone()
         if k_own:
             u.index_copy_(0, own, shard[:k_own].sub_(applied[rank, :k_own]))
-        applied = applied.reshape(-1)
-        for s in segs:      # θ[M] ← (1-lr·wd)·θ[M] + the decoded update, on every rank alike
-            if s.decay != 1.0:
-                s.param[s.s0:s.s1].mul_(s.decay)
-            at = idx[s.a:s.b] - s.offset
-            s.param.index_copy_(0, at, s.param.index_select(0, at).add_(
-                applied[s.src:s.src + s.b - s.a]))
+        if segs:      # θ[M] ← (1-lr·wd)·θ[M] + the decoded update, on every rank alike
+            applied = applied.reshape(-1)
+            ops.decay(segs)
+            theta = ops.params_at(idx, segs).add_(torch.cat(
+                [applied[s.src:s.src + s.b - s.a] for s in segs]))
+            ops.write_params(idx, segs, [theta[s.a:s.b] for s in segs])
 
     def forget_support(self) -> None:
         self._pidx = self._pidx_own = None

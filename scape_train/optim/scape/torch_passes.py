@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ...host_to_device import upload
 from .passes import AdamSStep, ParamSegment
 
 
@@ -30,6 +31,7 @@ class TorchPasses:
     def __init__(self):
         self._views_key: tuple | None = None
         self._views_cache: list[torch.Tensor] = []
+        self._offsets: dict[tuple, torch.Tensor] = {}
 
     def _views(self, flat: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
         """Per-tensor views of a flat state tensor (cached: the state tensors are persistent;
@@ -40,17 +42,33 @@ class TorchPasses:
             self._views_key = key
         return self._views_cache
 
-    @staticmethod
-    def _decay(segs: list[ParamSegment]) -> None:
-        for s in segs:
-            if s.decay != 1.0:
-                s.param[s.s0:s.s1].mul_(s.decay)
+    def _local(self, idx: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The per-tensor indices of ``idx[a:b]`` for consecutive ``(a, b, tensor offset)``
+        spans, in one subtraction: the offsets repeated per index are cached per span list (on
+        the host per span, on the device per index: no k-sized host copy)."""
+        offs = self._offsets.get(tuple(spans))
+        if offs is None:
+            if len(self._offsets) > 8:      # a density warm-up visits many plans
+                self._offsets.clear()
+            offs = torch.repeat_interleave(upload([o for _, _, o in spans], idx.device),
+                                           upload([b - a for a, b, _ in spans], idx.device),
+                                           output_size=spans[-1][1] - spans[0][0])
+            self._offsets[tuple(spans)] = offs
+        return idx[spans[0][0]:spans[-1][1]] - offs
 
     @staticmethod
-    def _params_at(idx: torch.Tensor, segs: list[ParamSegment]) -> torch.Tensor:
-        parts = [s.param.index_select(0, idx[s.a:s.b] - s.offset) for s in segs]
-        if not parts:
+    def decay(segs: list[ParamSegment]) -> None:
+        """θ ← θ·dec on each segment's elements, where dec is not 1."""
+        dec = [s for s in segs if s.decay != 1.0 and s.s1 > s.s0]
+        if dec:
+            torch._foreach_mul_([s.param[s.s0:s.s1] for s in dec], [s.decay for s in dec])
+
+    def params_at(self, idx: torch.Tensor, segs: list[ParamSegment]) -> torch.Tensor:
+        """θ at each segment's entries ``idx[a:b]``, as one tensor in index-list order."""
+        if not segs:
             return torch.zeros(0, dtype=torch.float32, device=idx.device)
+        local, a0 = self._local(idx, [(s.a, s.b, s.offset) for s in segs]), segs[0].a
+        parts = [s.param.index_select(0, local[s.a - a0:s.b - a0]) for s in segs]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # -- the passes -------------------------------------------------------------------------
@@ -68,9 +86,10 @@ class TorchPasses:
         """§2 line 1 with m's support ``pidx`` known (``support``: its ``(tensor, a, b)``
         slices; e_{t-1} = 0 there): e ← s·g + e (the gradients scaled in place: consumed), then
         e[pidx] ← β1·m + s·g; Σ c²."""
-        g_at = [grads[t].index_select(0, pidx[a:b] - offsets[t]) for t, a, b in support]
         c_p = m.index_select(0, pidx).mul_(beta1)
-        if g_at:
+        if support:
+            local = self._local(pidx, [(a, b, offsets[t]) for t, a, b in support])
+            g_at = [grads[t].index_select(0, local[a:b]) for t, a, b in support]
             c_p.add_(g_at[0] if len(g_at) == 1 else torch.cat(g_at), alpha=s)
         torch._foreach_mul_(grads, s)
         torch._foreach_add_(self._views(e, offsets), grads)
@@ -128,8 +147,8 @@ class TorchPasses:
         k = ghat.numel()
         g = ghat if coef is None else ghat * coef
         if out is None:
-            self._decay(segs)           # θ·dec first, as adams_update_ orders it
-        theta = self._params_at(idx, segs)
+            self.decay(segs)           # θ·dec first, as adams_update_ orders it
+        theta = self.params_at(idx, segs)
         if out is not None:
             for s in segs:
                 if s.decay != 1.0:
@@ -142,8 +161,7 @@ class TorchPasses:
             denom.div_(hp.sqrt_bc2)
         theta.addcdiv_(m_new, denom.add_(hp.eps), value=-hp.step_size)
         if out is None:
-            for s in segs:
-                s.param.index_copy_(0, idx[s.a:s.b] - s.offset, theta[s.a - j0:s.b - j0])
+            self.write_params(idx, segs, [theta[s.a - j0:s.b - j0] for s in segs])
         else:
             out[:k].copy_(theta)
         if old_support is None:
@@ -156,9 +174,16 @@ class TorchPasses:
     def scatter_params(self, idx: torch.Tensor, segs: list[ParamSegment], values: torch.Tensor
                        ) -> None:
         """θ ← θ·dec on the segments, then θ[idx[a:b]] ← values[src:src + b - a] for each."""
-        self._decay(segs)
-        for s in segs:
-            s.param.index_copy_(0, idx[s.a:s.b] - s.offset, values[s.src:s.src + s.b - s.a])
+        self.decay(segs)
+        self.write_params(idx, segs, [values[s.src:s.src + s.b - s.a] for s in segs])
+
+    def write_params(self, idx: torch.Tensor, segs: list[ParamSegment],
+                      pieces: list[torch.Tensor]) -> None:
+        """θ[idx[a:b]] ← each segment's piece."""
+        if segs:
+            local, a0 = self._local(idx, [(s.a, s.b, s.offset) for s in segs]), segs[0].a
+            for s, piece in zip(segs, pieces):
+                s.param.index_copy_(0, local[s.a - a0:s.b - a0], piece)
 
     def count_common(self, a: torch.Tensor, b: torch.Tensor | None, bits: torch.Tensor
                      ) -> torch.Tensor:

@@ -7,10 +7,11 @@ the density schedule gives; each call is counted as one pass by the active
 - **Nothing is read back to the host.** Sums (Σ c², Σ ĝ², ...) come back as 0-d float64 tensors
   on the device (per-program partial sums added by one ``sum``), and :meth:`TritonPasses.adams`
   takes the clipping coefficient as a device tensor. Grid sizes come from host-known counts.
-- **Many tensors in one launch** (the gradients, the parameters' segments), as torch's
-  multi-tensor apply does it: a device table of the tensors' addresses, built from the tensors
-  and cached by its content (a gradient's address changes when autograd allocates it anew),
-  beside a block table ``(row, first element[, end])`` so that no block straddles two tensors.
+- **One flat gradient**: the prepare reads the flat gradient buffer (``optimizer.flat_grads``,
+  the default) as one tensor; autograd's own per-tensor gradients take the torch passes.
+- **The parameters' segments in one launch**, as torch's multi-tensor apply does it: a device
+  table of the parameters' addresses, built from the tensors and cached by its content, beside
+  a block table ``(row, first element[, end])`` so that no block straddles two tensors.
 - **Rounding as torch's**: ``enable_fp_fusion=False`` (no FMA contraction), ``div_rn``/
   ``sqrt_rn`` (correctly rounded, where Triton's ``/`` and ``sqrt`` are approximate on the GPU),
   sums of squares in float64 (in another order than torch's, so they agree to rounding).
@@ -57,16 +58,22 @@ def _sq_sum(x, keep):
 
 
 @triton.jit
-def _prepare_block(g, e, m, f, keep, parts, pid, beta1, s, lo, hi, rho, cand,
-                   GENERAL: tl.constexpr, CAND: tl.constexpr):
-    """c = e + s·g (GENERAL: (β1·m + s·g) + e) at the flat indices ``f``; e ← c; Σ c² into
-    ``parts[pid]``. CAND (sharded): on the own range [lo, hi) also cand[f - lo] = ρ[f - lo] + c."""
+def _prepare_kernel(n, g, e, m, parts, beta1, s, lo, hi, rho, cand, GENERAL: tl.constexpr,
+                    CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """c = e + s·g (GENERAL: (β1·m + s·g) + e) over one block of the flat gradient; e ← c;
+    Σ c² into ``parts``. CAND (sharded): on the own range [lo, hi) also cand[f - lo] = ρ[f - lo]
+    + c. Triton sees the tensors 16-byte aligned, hence 16-byte loads and stores
+    (scripts/triton_compile_check.py reads it in the PTX)."""
+    pid = tl.program_id(0)
+    f = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = f < n
+    gv = tl.load(g + f, mask=keep, other=0.0)
     old = tl.load(e + f, mask=keep, other=0.0)
     if GENERAL:
-        c = tl.load(m + f, mask=keep, other=0.0) * beta1 + s * g
+        c = tl.load(m + f, mask=keep, other=0.0) * beta1 + s * gv
         c = c + old
     else:
-        c = old + s * g
+        c = old + s * gv
     tl.store(e + f, c, mask=keep)
     if CAND:
         fo = f - lo
@@ -77,43 +84,14 @@ def _prepare_block(g, e, m, f, keep, parts, pid, beta1, s, lo, hi, rho, cand,
 
 
 @triton.jit
-def _prepare_kernel(blocks, grad_table, e, m, parts, beta1, s, lo, hi, rho, cand,
-                    GENERAL: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
-    """The prepare on one block of one tensor, its gradient's address and flat offset in
-    ``grad_table``."""
-    pid = tl.program_id(0)
-    t = tl.load(blocks + 3 * pid)
-    offs = tl.load(blocks + 3 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
-    keep = offs < tl.load(blocks + 3 * pid + 2)
-    g = tl.load(_f32_at(tl.load(grad_table + 2 * t)) + offs, mask=keep, other=0.0)
-    f = tl.load(grad_table + 2 * t + 1) + offs
-    _prepare_block(g, e, m, f, keep, parts, pid, beta1, s, lo, hi, rho, cand, GENERAL, CAND)
-
-
-@triton.jit
-def _prepare_flat_kernel(n, g, e, m, parts, beta1, s, lo, hi, rho, cand, GENERAL: tl.constexpr,
-                         CAND: tl.constexpr, BLOCK: tl.constexpr):
-    """The prepare over one flat gradient (``optimizer.flat_grads``): one contiguous range whose
-    tensors Triton sees 16-byte aligned, hence 16-byte loads and stores where the table kernel's
-    come 4 bytes at a time (scripts/triton_compile_check.py reads it in the PTX)."""
-    pid = tl.program_id(0)
-    f = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    keep = f < n
-    _prepare_block(tl.load(g + f, mask=keep, other=0.0), e, m, f, keep, parts, pid, beta1, s,
-                   lo, hi, rho, cand, GENERAL, CAND)
-
-
-@triton.jit
-def _prepare_fix_kernel(blocks, support_table, pidx, e, m, parts, beta1, s, BLOCK: tl.constexpr):
+def _prepare_fix_kernel(k, pidx, g, e, m, parts, beta1, s, BLOCK: tl.constexpr):
     """At m's support (e_{t-1} = 0 there): e[i] ← β1·m[i] + s·g[i]; Σ (c² - old e²)."""
     pid = tl.program_id(0)
-    row = support_table + 4 * tl.load(blocks + 2 * pid)
-    j = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
-    keep = j < tl.load(row + 3)
+    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = j < k
     i = tl.load(pidx + j, mask=keep, other=0)
-    g = tl.load(_f32_at(tl.load(row)) + (i - tl.load(row + 1)), mask=keep, other=0.0)
     old = tl.load(e + i, mask=keep, other=0.0)
-    c = tl.load(m + i, mask=keep, other=0.0) * beta1 + s * g
+    c = tl.load(m + i, mask=keep, other=0.0) * beta1 + s * tl.load(g + i, mask=keep, other=0.0)
     tl.store(e + i, c, mask=keep)
     tl.store(parts + pid, _sq_sum(c, keep) - _sq_sum(old, keep))
 
@@ -371,61 +349,43 @@ class TritonPasses:
             run(_decay_kernel, (blocks.numel() // 3,), blocks, self._param_table(sel),
                 BLOCK=FULL_BLOCK, **_OPTS)
 
-    def _prepare(self, grads, offsets, e, s, *, m=None, beta1=0.0, lo=0, hi=0, rho=None,
-                 cand=None) -> torch.Tensor:
-        """One launch of the full-size prepare: the flat kernel when the gradients are one flat
-        buffer, else the table kernel; returns Σ c²."""
-        kw = dict(GENERAL=m is not None, CAND=cand is not None, BLOCK=FULL_BLOCK, **_OPTS)
-        opt = (e if m is None else m, lo, hi, e if rho is None else rho,
-               e if cand is None else cand)        # unused pointers stand in for absent ones
-        flat = flat_buffer(grads, offsets)
-        if flat is not None:
-            nblk = triton.cdiv(flat.numel(), FULL_BLOCK)
-            parts = self._parts(nblk)
-            if nblk:
-                run(_prepare_flat_kernel, (nblk,), flat.numel(), flat, e, opt[0], parts, beta1,
-                    s, *opt[1:], **kw)
-            return parts.sum()
-        grad_table = self._table([(g.data_ptr(), offsets[i]) for i, g in enumerate(grads)])
-        numels = [g.numel() for g in grads]
-        blocks = self._blocks([0] * len(grads), numels, FULL_BLOCK, True)
-        nblk = blocks.numel() // 3
+    def _prepare(self, g, e, s, *, m=None, beta1=0.0, lo=0, hi=0, rho=None, cand=None
+                 ) -> torch.Tensor:
+        """One launch of the full-size prepare over the flat gradient ``g``; returns Σ c²."""
+        nblk = triton.cdiv(g.numel(), FULL_BLOCK)
         parts = self._parts(nblk)
-        if nblk:
-            run(_prepare_kernel, (nblk,), blocks, grad_table, e, opt[0], parts, beta1, s,
-                *opt[1:], **kw)
+        if nblk:         # unused pointers stand in for absent ones
+            run(_prepare_kernel, (nblk,), g.numel(), g, e, e if m is None else m, parts, beta1,
+                s, lo, hi, e if rho is None else rho, e if cand is None else cand,
+                GENERAL=m is not None, CAND=cand is not None, BLOCK=FULL_BLOCK, **_OPTS)
         return parts.sum()
 
-    def _fix_support(self, grads, offsets, e, m, pidx, support, beta1, s) -> torch.Tensor:
-        """At m's support ``pidx`` (``support``: its ``(tensor, a, b)`` slices): e ← β1·m + s·g;
-        returns Σ (c² - old e²)."""
-        table = self._table([(grads[t].data_ptr(), offsets[t], a, b) for t, a, b in support])
-        blocks = self._blocks([a for _, a, _ in support], [b for _, _, b in support], K_BLOCK,
-                              False)
-        nblk = blocks.numel() // 2
-        parts = self._parts(nblk)
-        if nblk:
-            run(_prepare_fix_kernel, (nblk,), blocks, table, pidx, e, m, parts, beta1, s,
-                BLOCK=K_BLOCK, **_OPTS)
-        return parts.sum()
+    @staticmethod
+    def _flat(grads: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
+        flat = flat_buffer(grads, offsets)
+        assert flat is not None, "the Triton passes read one flat gradient (flat_grads)"
+        return flat
 
     # -- the passes -------------------------------------------------------------------------
     def prepare_general(self, grads: list[torch.Tensor], offsets: list[int], e: torch.Tensor,
                         m: torch.Tensor, beta1: float, s: float) -> torch.Tensor:
         """§2 line 1 where m may be nonzero anywhere: e ← β1·m + s·g + e; Σ c²."""
         _count("prepare_general", 16 * offsets[-1])
-        return self._prepare(grads, offsets, e, s, m=m, beta1=beta1)
+        return self._prepare(self._flat(grads, offsets), e, s, m=m, beta1=beta1)
 
     def prepare(self, grads: list[torch.Tensor], offsets: list[int], e: torch.Tensor,
                 m: torch.Tensor, pidx: torch.Tensor, support: list[tuple[int, int, int]],
                 beta1: float, s: float) -> torch.Tensor:
         """§2 line 1 with m's support ``pidx`` known (e_{t-1} = 0 there): e ← s·g + e, then
         e[pidx] ← β1·m + s·g; Σ c²."""
-        kp = pidx.numel()
-        _count("prepare", 12 * offsets[-1] + 24 * kp)
-        sq = self._prepare(grads, offsets, e, s)
-        return sq + self._fix_support(grads, offsets, e, m, pidx, support, beta1, s) if kp \
-            else sq
+        _count("prepare", 12 * offsets[-1] + 24 * pidx.numel())
+        g = self._flat(grads, offsets)
+        sq = self._prepare(g, e, s)
+
+        def launch(a, n, parts):
+            run(_prepare_fix_kernel, (triton.cdiv(n, K_BLOCK),), n, pidx[a:], g, e, m, parts,
+                beta1, s, BLOCK=K_BLOCK, **_OPTS)
+        return sq + self._over_k(pidx.numel(), launch)
 
     def prepare_sharded(self, grads: list[torch.Tensor], offsets: list[int], x: torch.Tensor,
                         rho: torch.Tensor, m: torch.Tensor, pidx_own: torch.Tensor, lo: int,
@@ -439,7 +399,7 @@ class TritonPasses:
             run(_rho_kernel, (triton.cdiv(n, K_BLOCK),), pidx_own[a:], n, rho, m, beta1,
                 BLOCK=K_BLOCK, **_OPTS)
         self._over_k(kp, launch, sums=False)        # first: the candidate reads ρ
-        return self._prepare(grads, offsets, x, s, lo=lo, hi=hi, rho=rho, cand=cand)
+        return self._prepare(self._flat(grads, offsets), x, s, lo=lo, hi=hi, rho=rho, cand=cand)
 
     def gather(self, idx: torch.Tensor, src: torch.Tensor, out: torch.Tensor, base: int = 0
                ) -> torch.Tensor:
