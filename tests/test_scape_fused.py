@@ -229,16 +229,19 @@ def test_the_deferred_fold_is_skipped_by_the_next_prepare_and_applied_for_any_ot
         _close(sr[k], sf[k], msg=k)
 
 
+@pytest.mark.parametrize("use_triton", ["off", "on"])
 @pytest.mark.parametrize("sharded", [False, True])
-def test_a_segment_without_ones_still_gets_its_weight_decay(sharded):
-    """The C loops decay θ as they walk the mask's segments; a segment whose mask holds no one
-    (a mask measured from a checkpoint of another partition can leave one so) is decayed
-    apart. The fused step after such a load equals the reference step, that tensor included."""
+def test_a_segment_without_ones_still_gets_its_weight_decay(sharded, use_triton):
+    """The passes decay θ as they walk the mask's segments; a segment whose mask holds no one
+    (a mask measured from a checkpoint of another partition can leave one so) has an empty
+    slice, which the same walk decays (torch ops and Triton kernels). The fused step after such
+    a load equals the reference step, that tensor included."""
     from scape_train.optim.scape.kernels import pack_bits, unpack_bits
 
     runs = {}
     for impl in ("reference", "fused"):
-        s, w, model = make(_cfg(scape_impl=impl, sharded=sharded, density_warmup_steps=0))
+        s, w, model = make(_cfg(scape_impl=impl, sharded=sharded, density_warmup_steps=0,
+                                use_triton=use_triton))
         for t in range(1, 3):
             train_step(s, w, t, 0)
         state = s.state_dict()

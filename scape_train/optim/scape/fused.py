@@ -76,20 +76,19 @@ def _gathered_at(a: int, starts: list[int], counts: list[int], width: int) -> in
 class _Plan:
     """A mask's index list cut by the partition's segments, from the host-known counts:
     ``segs``: ``(tensor, a, b)`` of each segment's slice ``[a, b)`` of the list; ``spans``: its
-    elements ``(s0, s1)`` in its tensor; ``empty``: ``(tensor, s0, s1)`` of the segments
-    without ones (a mask measured from a checkpoint of another world size can leave one so)."""
+    elements ``(s0, s1)`` in its tensor. A segment without ones (a mask measured from a
+    checkpoint of another world size can leave one so) has an empty slice: the passes still
+    decay its parameters."""
 
     def __init__(self, part: PartitionMap, layout: ParamLayout, counts: list[list[int]]):
-        self.segs, self.spans, self.empty = [], [], []
+        self.segs, self.spans = [], []
         at = 0
         for rank_segs, rank_counts in zip(part.segments, counts):
             for seg, k in zip(rank_segs, rank_counts):
-                s0 = seg.flat_start - layout.offsets[seg.tensor]
-                if k:
+                if seg.numel:
+                    s0 = seg.flat_start - layout.offsets[seg.tensor]
                     self.segs.append((seg.tensor, at, at + k))
                     self.spans.append((s0, s0 + seg.numel))
-                elif seg.numel:
-                    self.empty.append((seg.tensor, s0, s0 + seg.numel))
                 at += k
 
 
@@ -162,15 +161,9 @@ class _FusedEngine:
         segment's values start in a gathered buffer)."""
         lay = self.layout
         return [passes.ParamSegment(lay.flat_view(t), lay.offsets[t], a, b, s0, s1,
-                                    1.0 - lr * lay.weight_decay[t], 0 if src is None else src(a))
+                                    1.0 - lr * lay.weight_decay[t],
+                                    0 if src is None or a == b else src(a))
                 for (t, a, b), (s0, s1) in zip(plan.segs, plan.spans) if a >= lo and b <= hi]
-
-    def _decay_empty(self, plan: _Plan, lr: float) -> None:
-        """The weight decay of the segments no pass walks (no ones in the mask)."""
-        lay = self.layout
-        for t, s0, s1 in plan.empty:
-            if lay.weight_decay[t] != 0.0:
-                lay.flat_view(t)[s0:s1].mul_(1.0 - lr * lay.weight_decay[t])
 
     def _adams_step(self, lr: float, step: int) -> passes.AdamSStep:
         cfg = self.cfg
@@ -245,7 +238,6 @@ class FusedReplicatedScape(_FusedEngine):
         plan = self._plan(counts)
         lib.adams(idx, 0, 0, payload, m_old, m, self._pidx, self._segments(plan, 0, k, lr),
                   self._adams_step(lr, step), coef)         # θ, m
-        self._decay_empty(plan, lr)
         self._pidx, self._prev = idx, plan
         self._idx, self._zero_pending = idx, True
         self._c = None
@@ -373,7 +365,6 @@ class FusedShardedScape(_FusedEngine):
             lib.scatter_params(idx, segs, gathered)
         else:
             self._sync_param_updates(idx, shard, own_segs, s_own, own - lo, segs)
-        self._decay_empty(plan, lr)
         self._pidx, self._pidx_own, self._prev = idx, own - lo, plan
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(total),

@@ -48,8 +48,8 @@ class ScapeStrategy(OptimizerStrategy):
                                   exclude_norm_bias=cfg.exclude_norm_bias)
         self._check_backend()
         # the kernels, chosen once: "triton" or "torch" for the mask kernels and codings, the
-        # fused step's Triton passes or None (its torch ops); fails now, not at the first step,
-        # when Triton is forced where it cannot run
+        # fused step's Triton or torch passes; fails now, not at the first step, when Triton is
+        # forced where it cannot run
         self.backend = resolve_backend(_KERNEL_BACKEND[cfg.use_triton],
                                        torch.empty(0, device=self.layout.device))
         self.passes = select_passes(self.backend, self.layout.device)
@@ -62,9 +62,8 @@ class ScapeStrategy(OptimizerStrategy):
         self.reference = reference(*args, self.backend)
         # the O(k) engine, where the configuration allows it (fuses); it works on the
         # reference's state, and a step at a density it does not accept runs the reference
-        self.fused = (fused(self.reference.state, *args, lib=self.passes) if cfg.scape_impl == "fused"
-                      and fuses(cfg.offload_residuals)
-                      else None)
+        self.fused = (fused(self.reference.state, *args, lib=self.passes)
+                      if cfg.scape_impl == "fused" and fuses(cfg.offload_residuals) else None)
         self.last_engine = self.reference     # the engine of the last step
         # p.grad as views of one flat buffer (optimizer.flat_grads): both paths read it in place
         self.grad_buffer = (FlatGradBuffer(self.layout.names, self.layout.params, "SCAPE step")
