@@ -1,11 +1,12 @@
-"""Time SCAPE's mask kernels (pack, unpack, gather, scatter) on the torch and Triton paths.
+"""Time SCAPE's mask kernels: pack and unpack in the torch and Triton passes, gather and scatter.
 
     python scripts/bench_kernels.py                      # CUDA if present, else CPU (torch only)
     python scripts/bench_kernels.py --numel 50000000 --density 0.01 --offload-chunk 4194304
 
-Prints one line per kernel and backend: median milliseconds over --iters runs and the effective
-bandwidth (bytes read + written / time). On CPU only the torch path is timed (the Triton
-interpreter is a correctness tool, not a fast path). With --offload-chunk it also times one
+Prints one line per kernel and passes: median milliseconds over --iters runs and the effective
+bandwidth (bytes read + written / time). On CPU only the torch passes are timed (the Triton
+interpreter is a correctness tool, not a fast path). Gather and scatter are torch ops on every
+device (the popcount given: no host read). With --offload-chunk it also times one
 HostBuffer.for_each_chunk pass (H2D + in-place update + D2H) against the same update in place.
 """
 
@@ -21,6 +22,7 @@ import torch
 
 from scape_train.optim.scape import kernels as K
 from scape_train.optim.scape.offload import HostBuffer
+from scape_train.optim.scape.strategy import select_passes
 
 
 def _sync(device: torch.device) -> None:
@@ -59,25 +61,26 @@ def main() -> None:
     torch.manual_seed(0)
     values = torch.randn(numel, device=device).to(dtype)
     mask = torch.rand(numel, device=device) < args.density
-    packed = K.pack_bits(mask, backend="torch")
-    payload = K.gather_masked(values, mask, backend="torch")
+    packed = K.pack_bits(mask)
+    payload = K.gather_masked(values, mask)
     out = torch.zeros_like(values)
     esize, k = values.element_size(), payload.numel()
 
-    backends = ["torch"]
+    libs = {"torch": select_passes("off", device)}
     if device.type == "cuda" and K.triton_available():
-        backends.append("triton")
-    cases: list[tuple[str, int, Callable[[str], object]]] = [
-        ("pack_bits", numel + numel // 8, lambda b: K.pack_bits(mask, backend=b)),
-        ("unpack_bits", numel // 8 + numel, lambda b: K.unpack_bits(packed, numel, backend=b)),
-        ("gather_masked", numel + 2 * k * esize, lambda b: K.gather_masked(values, mask, backend=b)),
-        ("scatter_masked", numel + 2 * k * esize,
-         lambda b: K.scatter_masked(payload, mask, out, backend=b)),
+        libs["triton"] = select_passes("on", device)
+    cases: list[tuple[str, int, Callable[[object], object]]] = [
+        ("pack_bits", numel + numel // 8, lambda lib: lib.pack_bits(mask)),
+        ("unpack_bits", numel // 8 + numel, lambda lib: lib.unpack_bits(packed, numel)),
     ]
     for label, nbytes, fn in cases:
-        for b in backends:
-            ms = _time_ms(lambda: fn(b), device, args.iters)
+        for b, lib in libs.items():
+            ms = _time_ms(lambda: fn(lib), device, args.iters)
             print(f"{label:22s} {b:6s} {ms:9.3f} ms  {nbytes / ms / 1e6:8.1f} GB/s")
+    for label, fn in (("gather_masked", lambda: K.gather_masked(values, mask, count=k)),
+                      ("scatter_masked", lambda: K.scatter_masked(payload, mask, out, count=k))):
+        ms = _time_ms(fn, device, args.iters)
+        print(f"{label:22s} {'torch':6s} {ms:9.3f} ms  {(numel + 2 * k * esize) / ms / 1e6:8.1f} GB/s")
 
     if args.offload_chunk:
         buf = HostBuffer(numel, device=device, chunk_numel=args.offload_chunk)

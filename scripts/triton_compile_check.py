@@ -30,7 +30,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from scape_train.optim.scape import triton_codecs as tc  # noqa: E402
-from scape_train.optim.scape import triton_kernels as tk  # noqa: E402
 from scape_train.optim.scape import triton_passes as tp  # noqa: E402
 
 A, P64, F64, F32, U8 = "i64", "*i64", "*fp64", "*fp32", "*u8"   # a size or offset, tensor pointers
@@ -76,18 +75,11 @@ def variants() -> list[tuple]:
     out.append((tp._scatter_params_kernel, dict(blocks=P64, param_table=P64, idx=P64,
                                                 values=F32), kb))
     out.append((tp._decay_kernel, dict(blocks=P64, param_table=P64), fb))
-    # the mask-bit kernels (kernels.py's Triton backend)
-    out.append((tk._pack_kernel, dict(mask_ptr=U8, out_ptr=U8, n=A, nbytes=A),
-                {"BLOCK_BYTES": tk.PACK_BLOCK_BYTES}))
-    out.append((tk._unpack_kernel, dict(packed_ptr=U8, out_ptr=U8, n=A, nbytes=A),
-                {"BLOCK_BYTES": tk.PACK_BLOCK_BYTES}))
-    kt = {"BLOCK": tk.BLOCK}
-    out.append((tk._count_kernel, dict(mask_ptr=U8, counts_ptr=P64, n=A), kt))
-    out.append((tk._gather_kernel, dict(values_ptr="*i32", mask_ptr=U8, starts_ptr=P64,
-                                        out_ptr="*i32", n=A), kt))
-    out.append((tk._scatter_kernel, dict(payload_ptr="*i32", mask_ptr=U8, starts_ptr=P64,
-                                         out_ptr="*i32", n=A), kt))
-    # the mask codings
+    # the masks: whole-range packing and the codings
+    out.append((tc._pack_kernel, dict(mask_ptr=U8, out_ptr=U8, n=A, nbytes=A),
+                {"PACK_BYTES": tc.PACK_BYTES}))
+    out.append((tc._unpack_kernel, dict(packed_ptr=U8, out_ptr=U8, n=A, nbytes=A),
+                {"PACK_BYTES": tc.PACK_BYTES}))
     for packed in (False, True):
         out.append((tc._count_kernel, dict(src_ptr=U8, tab_ptr=P64, counts_ptr=P64),
                     {"PACKED": packed, "BLOCK": tc.BLOCK}))

@@ -248,9 +248,9 @@ def test_a_segment_without_ones_still_gets_its_weight_decay(sharded, use_triton)
         name = next(n for n, wd in zip(s.layout.names, s.layout.weight_decay) if wd > 0
                     and n in state["mask_next"])
         p = dict(model.named_parameters())[name]
-        bits = unpack_bits(state["mask_next"][name], p.numel(), backend="torch")
+        bits = unpack_bits(state["mask_next"][name], p.numel())
         assert bits.any()
-        state["mask_next"][name] = pack_bits(torch.zeros_like(bits), backend="torch")
+        state["mask_next"][name] = pack_bits(torch.zeros_like(bits))
         state["partitioner"] = "flat"       # "another partition": the counts are measured
         s.load_state_dict(state)
         before = p.detach().clone()

@@ -13,7 +13,9 @@ from scape_train.optim import build_optimizer
 from scape_train.comm import Comm
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.density import density_at, segment_k
-from scape_train.optim.scape.kernels import pack_bits, select_passes
+from scape_train.optim.scape.kernels import pack_bits
+from scape_train.optim.scape.strategy import select_passes
+from scape_train.optim.scape.torch_passes import TorchPasses
 from scape_train.optim.scape.mask_format import bits_bytes
 from scape_train.optim.scape.masks import Mask, MaskExchange, overlap, topk_own_mask
 from scape_train.optim.scape.partition import ParamLayout, build_partition
@@ -85,7 +87,7 @@ def test_topk_mask_exact_k_and_excluded_ones():
 def test_mask_exchange_round_trip_one_process():
     lay = layout_of(tiny_model())
     part = build_partition(lay, 1, "flat")
-    ex = MaskExchange(part, Comm(), lay.total, "torch")
+    ex = MaskExchange(part, Comm(), lay.total, TorchPasses())
     bits = torch.rand(lay.total) < 0.3
     assert torch.equal(ex.start(bits).wait(), bits)
 
@@ -225,12 +227,12 @@ def test_a_mask_of_indices_makes_its_bool_form_on_demand():
         Mask(11, dense=want, bits=torch.zeros(16, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("path", ["off", "on"])
 def test_overlap_from_the_index_lists_equals_the_full_size_and(path):
     """The masks' overlap metric from the two sorted index lists (Triton: marked bits and
     lookups; torch: a bool map) equals the count of the bool masks' AND, including empty,
     disjoint and identical lists and lengths that end mid-block."""
-    if path == "triton":
+    if path == "on":
         pytest.importorskip("triton")
     n = 50_021
     g = torch.Generator().manual_seed(5)
@@ -254,7 +256,7 @@ def test_overlap_from_the_index_lists_equals_the_full_size_and(path):
         if not b.numel():
             continue
         bits = torch.zeros(bits_bytes(n), dtype=torch.uint8)
-        packed = pack_bits(mask_of(b).dense(), backend="torch")
+        packed = pack_bits(mask_of(b).dense())
         bits[:packed.numel()] = packed
         want = int((mask_of(a).dense() & mask_of(b).dense()).sum())
         assert int(overlap(mask_of(a), Mask(n, indices=b, bits=bits), lib)) == want

@@ -18,7 +18,9 @@ from scape_train.optim.scape import kernels
 from scape_train.optim.scape.mask_format import bits_bytes
 from scape_train.optim.scape import mask_coding as MC
 from scape_train.optim.scape import mask_format as MF
-from scape_train.optim.scape.masks import MaskExchange, mask_counts
+from scape_train.optim.scape.masks import Mask, MaskExchange, mask_counts
+from scape_train.optim.scape.strategy import select_passes
+from scape_train.optim.scape.torch_passes import TorchPasses
 from scape_train.optim.scape.partition import ParamLayout, build_partition
 from scape_train.profiling import DeviceOpCounter
 
@@ -29,6 +31,7 @@ pytest.importorskip("triton")
 from scape_train.optim.scape import triton_codecs as TC  # noqa: E402
 
 CPU = torch.device("cpu")
+TRITON, TORCH = select_passes("on", CPU), TorchPasses()
 
 
 # -- mask codings ---------------------------------------------------------------------------------
@@ -39,24 +42,22 @@ def _check_plan(plan: MC.MaskPlan, own: list[torch.Tensor]) -> None:
     world = len(own)
     shards = []
     for r in range(world):
-        got = plan.encode(own[r], r, "triton")
-        assert torch.equal(got, plan.encode(own[r], r, "torch")), r
+        got = plan.encode(own[r], r, TRITON)
+        assert torch.equal(got, plan.encode(own[r], r, TORCH)), r
         shards.append(got)
     gathered = torch.cat(shards) if plan.shard_bytes else None
-    mask, idx = plan.decode_with_indices(gathered, CPU, "triton")
+    mask, idx, bits = plan.decode(gathered, CPU, TRITON)
     want = torch.cat(own)
-    assert torch.equal(mask, want)
     if plan.legacy:          # the whole-range bitmap: no per-segment counts, no indices
-        assert idx is None
+        assert torch.equal(mask, want) and idx is None and bits is None
         return
+    assert mask is None                                   # the step's decode: no mask written
     assert torch.equal(idx, torch.nonzero(want).view(-1))
-    none, lean = plan.decode_with_indices(gathered, CPU, "triton", with_mask=False)
-    assert none is None and torch.equal(lean, idx)        # the step's decode: no mask written
-    _, _, bits = plan.decode_parts(gathered, CPU, "triton")   # but the mask's packed bits
-    packed = kernels.pack_bits(want, backend="torch")
+    packed = kernels.pack_bits(want)                      # but the mask's packed bits
     assert torch.equal(bits[:packed.numel()], packed) and not bits[packed.numel():].any()
-    t_mask, t_idx = plan.decode_with_indices(gathered, CPU, "torch")
-    assert torch.equal(t_mask, want)
+    assert torch.equal(Mask(plan.total, indices=idx, bits=bits).dense(), want)
+    t_mask, t_idx, _ = plan.decode(gathered, CPU, TORCH)
+    assert torch.equal(Mask(plan.total, dense=t_mask, indices=t_idx).dense(), want)
     assert t_idx is None or torch.equal(t_idx, idx)
 
 
@@ -84,11 +85,11 @@ def _one_segment_plan(numel: int, kind: str, k: int, width: int | None = None):
     plan = MC.MaskPlan(part, lay, [[13, k]], "auto", lay.total)
     seg = MF.seg_code(kind, 13, numel, k, 0)
     if width is not None:
-        seg = MC.SegCode(MC.INDICES, 13, numel, k, width, 0, kernels.packed_numel(k * width), 0)
+        seg = MF.SegCode(MF.INDICES, 13, numel, k, width, 0, kernels.packed_numel(k * width), 0)
     plan.segs[0][1] = seg
     plan.rank_bytes = [seg.nbytes]
     plan.shard_bytes = seg.nbytes
-    plan._tables = {}
+    plan.cache = {}
     return plan
 
 
@@ -109,7 +110,7 @@ def test_every_segment_coding_and_k_across_blocks(numel):
     scan blocks (and the Elias-Fano upper vector of k = 6000 more than one)."""
     g = torch.Generator().manual_seed(numel)
     ks = sorted(k for k in {1, 2, numel // 3, numel // 2, numel - 1, 6000} if 0 < k < numel)
-    for kind, k in itertools.product([MC.BITMAP, MC.INDICES, MC.ELIAS_FANO], ks):
+    for kind, k in itertools.product([MF.BITMAP, MF.INDICES, MF.ELIAS_FANO], ks):
         for where in ("random", "first", "last"):
             bits = torch.cat([torch.ones(13, dtype=torch.bool), _bits_with(numel, k, where, g)])
             _check_plan(_one_segment_plan(numel, kind, k), [bits])
@@ -123,7 +124,7 @@ def test_index_fields_of_every_width_at_every_bit_offset():
         numel = min(1 << width, 700)
         k = min(37, numel - 1)
         bits = torch.cat([torch.ones(13, dtype=torch.bool), _bits_with(numel, k, "random", g)])
-        _check_plan(_one_segment_plan(numel, MC.INDICES, k, width=width), [bits])
+        _check_plan(_one_segment_plan(numel, MF.INDICES, k, width=width), [bits])
 
 
 # -- no host reads, and the bytes each launch reports ---------------------------------------------
@@ -131,7 +132,7 @@ def test_index_fields_of_every_width_at_every_bit_offset():
 def test_the_triton_path_reads_nothing_back():
     lay = ParamLayout(odd_model(), weight_decay=0.1, exclude_norm_bias=True)
     part = build_partition(lay, 1, "flat")
-    ex = MaskExchange(part, Comm(), lay.total, "triton", layout=lay, coding="auto")
+    ex = MaskExchange(part, Comm(), lay.total, TRITON, layout=lay, coding="auto")
     bits = _owners_bits(lay, part, 0.05, 3)[0]
     ex.start(bits, 0.05).wait()                                 # builds the plan's tables
     with DeviceOpCounter() as ops:
@@ -145,11 +146,11 @@ def _tasks(numels, step: int) -> int:
     return sum(-(-n // step) for n in numels)
 
 
-def _encode_bytes(segs: list[MC.SegCode]) -> dict[str, int]:
+def _encode_bytes(segs: list[MF.SegCode]) -> dict[str, int]:
     """What an owner's encode launches move, from its segments (triton_codecs' byte model)."""
     row = 8 * len(TC._COLUMNS)                                  # bytes of one task row
-    pack = [s for s in segs if s.kind == MC.BITMAP]
-    coded = [s for s in segs if s.kind in (MC.INDICES, MC.ELIAS_FANO) and s.k]
+    pack = [s for s in segs if s.kind == MF.BITMAP]
+    coded = [s for s in segs if s.kind in (MF.INDICES, MF.ELIAS_FANO) and s.k]
     nb = _tasks([s.numel for s in pack], 8 * TC.PACK_BYTES)
     nf = _tasks([s.numel for s in coded], TC.BLOCK)
     return {"mask_encode_bitmap": nb * row + sum(s.numel + s.high_bytes for s in pack),
@@ -161,7 +162,7 @@ def _coded_plan() -> tuple[MC.MaskPlan, list[torch.Tensor]]:
     lay = ParamLayout(odd_model(), weight_decay=0.1, exclude_norm_bias=True)
     part = build_partition(lay, 2, "flat")
     plan = MC.MaskPlan(part, lay, mask_counts(part, lay, 0.1), "auto", lay.total)
-    assert {MC.BITMAP, MC.ELIAS_FANO, MC.ALL} <= set(plan.kinds())
+    assert {MF.BITMAP, MF.ELIAS_FANO, MF.ALL} <= set(plan.kinds())
     return plan, _owners_bits(lay, part, 0.1, 0)
 
 
@@ -169,7 +170,7 @@ def test_counted_encode_bytes_follow_the_plan():
     plan, own = _coded_plan()
     with DeviceOpCounter() as ops:
         for r in range(2):
-            plan.encode(own[r], r, "triton")
+            plan.encode(own[r], r, TRITON)
     want: dict[str, int] = {}
     for codes in plan.segs:
         for name, nbytes in _encode_bytes(codes).items():
@@ -179,23 +180,23 @@ def test_counted_encode_bytes_follow_the_plan():
 
 def test_counted_decode_bytes_follow_the_plan():
     plan, own = _coded_plan()
-    gathered = torch.cat([plan.encode(own[r], r, "triton") for r in range(2)])
+    gathered = torch.cat([plan.encode(own[r], r, TRITON) for r in range(2)])
     row = 8 * len(TC._COLUMNS)
     flat = [s for codes in plan.segs for s in codes]
-    scanned = [s for s in flat if s.kind in (MC.BITMAP, MC.ELIAS_FANO)]
-    listed = [s for s in flat if s.kind in (MC.ALL, MC.INDICES)]
-    ns = (_tasks([s.numel for s in flat if s.kind == MC.BITMAP], TC.BLOCK)
-          + _tasks([8 * s.high_bytes for s in flat if s.kind == MC.ELIAS_FANO], TC.BLOCK))
-    nd = _tasks([s.numel if s.kind == MC.ALL else s.k for s in listed], TC.BLOCK)
-    plan.decode_parts(gathered, CPU, "triton")              # builds the plan's task tables
+    scanned = [s for s in flat if s.kind in (MF.BITMAP, MF.ELIAS_FANO)]
+    listed = [s for s in flat if s.kind in (MF.ALL, MF.INDICES)]
+    ns = (_tasks([s.numel for s in flat if s.kind == MF.BITMAP], TC.BLOCK)
+          + _tasks([8 * s.high_bytes for s in flat if s.kind == MF.ELIAS_FANO], TC.BLOCK))
+    nd = _tasks([s.numel if s.kind == MF.ALL else s.k for s in listed], TC.BLOCK)
+    plan.decode(gathered, CPU, TRITON)              # builds the plan's task tables
     with DeviceOpCounter() as ops:
-        _, idx, bits = plan.decode_parts(gathered, CPU, "triton")
+        _, idx, bits = plan.decode(gathered, CPU, TRITON)
     # per one: its 8-byte index written, and its bit ORed into an int32 word (4 B)
     assert dict(ops.kernel_bytes) == {
         "mask_decode_count": ns * row + sum(s.high_bytes for s in scanned) + 8 * ns,
         "mask_decode_scan": ns * row + 16 * ns + sum(s.high_bytes + s.low_bytes + 12 * s.k
                                                      for s in scanned),
-        "mask_decode_direct": nd * row + sum(s.low_bytes + 12 * (s.numel if s.kind == MC.ALL
+        "mask_decode_direct": nd * row + sum(s.low_bytes + 12 * (s.numel if s.kind == MF.ALL
                                                                  else s.k) for s in listed)}
     # dispatched ops: the block starts' scan, the index vector, the bits' zero fill (1/8 byte per
     # element, not the byte per element of a bool mask)

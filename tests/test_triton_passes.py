@@ -1,5 +1,5 @@
 """The fused step's Triton passes (``triton_passes.py``), run here under ``TRITON_INTERPRET=1``
-(tests/conftest.py) through the seam the engine uses (``kernels.select_passes``; ``use_triton=on`` picks them
+(tests/conftest.py) through the seam the engine uses (``strategy.select_passes``; ``use_triton=on`` picks them
 on CPU tensors), against the engine's torch ops: masks exactly, parameters, momentum and
 residuals to the fused step's tolerance (tests/test_scape_fused.py: the kernels round division
 and square root correctly, where torch's vectorized ``sqrt`` may be 1 ulp off, and add their
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from scape_train.optim.config import OptimizerConfig
-from scape_train.optim.scape.kernels import select_passes
+from scape_train.optim.scape.strategy import select_passes
 from scape_train.profiling import DeviceOpCounter
 
 from ._dist import run_distributed
@@ -149,7 +149,7 @@ def test_k_sized_passes_over_whole_blocks_and_a_tail(k):
     """The k-sized passes launch the whole blocks and the tail block apart (aligned 16-byte
     streams on a GPU): each equals its torch ops at sizes with and without a tail, on views at
     an offset too (an unaligned stream takes the scalar variant)."""
-    lib = select_passes("triton", torch.device("cpu"))
+    lib = select_passes("on", torch.device("cpu"))
     gen = torch.Generator().manual_seed(k)
     n = 4 * k + 7
     for start in (0, 1):                         # idx[1:]: not 16-byte aligned

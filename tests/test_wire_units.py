@@ -15,15 +15,25 @@ from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.density import segment_k
 from scape_train.optim.scape import mask_coding as MC
 from scape_train.optim.scape import mask_format as MF
-from scape_train.optim.scape.masks import MaskExchange, mask_counts, topk_own_mask
+from scape_train.optim.scape import torch_codecs as TC
+from scape_train.optim.scape.kernels import pack_bits, unpack_bits
+from scape_train.optim.scape.masks import Mask, MaskExchange, mask_counts, topk_own_mask
 from scape_train.optim.scape.partition import ParamLayout, build_partition
 from scape_train.optim.scape.payload import SCALE_BLOCK, PayloadCodec, all_reduce_mean
+from scape_train.optim.scape.torch_passes import TorchPasses
 from scape_train.profiling import DeviceOpCounter
 
 from ._optim_common import flat_params, make, tiny_model, train_step
 
 CODINGS = ["bitmap", "indices", "elias_fano", "auto"]
 LOWP = ["bf16", "fp8_e4m3", "fp8_e5m2"]
+TORCH = TorchPasses()
+
+
+def _decoded(plan: MC.MaskPlan, gathered: torch.Tensor | None) -> torch.Tensor:
+    """The bool mask the torch codecs decode from the owners' shards."""
+    dense, idx, bits = plan.decode(gathered, torch.device("cpu"), TORCH)
+    return Mask(plan.total, dense=dense, indices=idx, bits=bits).dense()
 
 
 def odd_model() -> nn.Module:
@@ -50,14 +60,13 @@ def test_mask_coding_round_trip(coding, world, partitioner):
     for seed, density in enumerate([0.001, 0.01, 0.07, 0.3, 0.61, 0.99, 1.0]):
         own = _owners_bits(lay, part, density, seed)
         plan = MC.MaskPlan(part, lay, mask_counts(part, lay, density), coding, lay.total)
-        shards = [plan.encode(own[r], r, "torch") for r in range(world)]
+        shards = [plan.encode(own[r], r, TORCH) for r in range(world)]
         assert all(s.numel() == plan.shard_bytes for s in shards)
         if not plan.legacy:   # the coded bytes end where the plan says (the rest is padding)
             for r, s in enumerate(shards):
                 assert int(s[plan.rank_bytes[r]:].count_nonzero()) == 0
         gathered = torch.cat(shards) if plan.shard_bytes else None
-        got = plan.decode(gathered, torch.device("cpu"), "torch")
-        assert torch.equal(got, torch.cat(own)), (coding, world, density)
+        assert torch.equal(_decoded(plan, gathered), torch.cat(own)), (coding, world, density)
 
 
 @pytest.mark.parametrize("numel", [1, 2, 3, 7, 8, 9, 63, 64, 65, 1000, 4097])
@@ -71,7 +80,7 @@ def test_every_segment_coding_round_trips_every_k(numel):
     lay = ParamLayout(model, weight_decay=0.0, exclude_norm_bias=True)
     part = build_partition(lay, 1, "flat")
     ks = sorted({1, 2, numel // 3, numel // 2, numel - 1} - {0}) if numel > 1 else [1]
-    for kind, k in itertools.product([MC.BITMAP, MC.INDICES, MC.ELIAS_FANO], ks):
+    for kind, k in itertools.product([MF.BITMAP, MF.INDICES, MF.ELIAS_FANO], ks):
         for positions in ("random", "first", "last"):
             bits = torch.zeros(numel, dtype=torch.bool)
             if positions == "random":
@@ -86,10 +95,10 @@ def test_every_segment_coding_round_trips_every_k(numel):
                 plan.segs[0][1] = MF.seg_code(kind, 13, numel, k, 0)
                 plan.rank_bytes = [plan.segs[0][1].nbytes]
                 plan.shard_bytes = plan.rank_bytes[0]
-                plan._tables = {}
+                plan.cache = {}
                 assert plan.shard_bytes == MF.coded_bytes(kind, numel, k)
-            shard = plan.encode(full, 0, "torch")
-            got = plan.decode(shard if plan.shard_bytes else None, torch.device("cpu"), "torch")
+            shard = plan.encode(full, 0, TORCH)
+            got = _decoded(plan, shard if plan.shard_bytes else None)
             assert torch.equal(got, full), (kind, numel, k, positions)
 
 
@@ -97,17 +106,17 @@ def test_coding_sizes_and_the_auto_choice():
     n = 6_291_456                                        # a Llama-500M projection (1536 x 4096)
     for d, ef_bits in [(0.01, 8.6), (0.1, 5.3)]:
         k = segment_k(n, d)
-        ef = MF.coded_bytes(MC.ELIAS_FANO, n, k)
+        ef = MF.coded_bytes(MF.ELIAS_FANO, n, k)
         assert ef * 8 / k == pytest.approx(ef_bits, abs=0.05)
-        assert ef < MF.coded_bytes(MC.BITMAP, n, k) and ef < MF.coded_bytes(MC.INDICES, n, k)
-        assert MC.choose("auto", n, k, excluded=False) == MC.ELIAS_FANO
+        assert ef < MF.coded_bytes(MF.BITMAP, n, k) and ef < MF.coded_bytes(MF.INDICES, n, k)
+        assert MF.choose("auto", n, k, excluded=False) == MF.ELIAS_FANO
     assert MF.index_width(n) == 23
     # dense masks: the bitmap wins; a single one in a small segment: plain indices
-    assert MC.choose("auto", 1000, 600, excluded=False) == MC.BITMAP
-    assert MC.choose("auto", 1 << 20, 1, excluded=False) == MC.INDICES
+    assert MF.choose("auto", 1000, 600, excluded=False) == MF.BITMAP
+    assert MF.choose("auto", 1 << 20, 1, excluded=False) == MF.INDICES
     # all-ones segments are not sent
-    assert MC.choose("auto", 100, 3, excluded=True) == MC.ALL
-    assert MC.choose("indices", 100, 100, excluded=False) == MC.ALL
+    assert MF.choose("auto", 100, 3, excluded=True) == MF.ALL
+    assert MF.choose("indices", 100, 100, excluded=False) == MF.ALL
     # auto is the per-segment minimum, so never larger than any single coding
     lay = ParamLayout(odd_model(), weight_decay=0.1, exclude_norm_bias=True)
     for world, d in itertools.product([2, 3, 4], [0.01, 0.2, 0.5]):
@@ -126,20 +135,20 @@ def test_field_reader_at_every_bit_offset():
     for width in (1, 2, 5, 8, 13, 23, 33):
         vals = torch.randint(0, 1 << width, (41,), generator=g)
         for pad in range(8):    # fields starting at every bit offset inside a byte
-            stream = MC._pack_fields(vals, width, "torch")
+            stream = TC._pack_fields(vals, width)
             bits = torch.cat([torch.zeros(pad, dtype=torch.bool),
-                              MC.unpack_bits(stream, vals.numel() * width, backend="torch")])
-            buf = torch.cat([MC.pack_bits(bits, backend="torch"),
-                             torch.zeros(8, dtype=torch.uint8)])
+                              unpack_bits(stream, vals.numel() * width)])
+            buf = torch.cat([pack_bits(bits), torch.zeros(8, dtype=torch.uint8)])
             starts = pad + torch.arange(vals.numel()) * width
-            got = MC._read_fields(buf, starts, torch.full_like(starts, width))
+            got = TC._read_fields(buf, starts >> 3, starts & 7,
+                                  TC._ones_below(torch.full_like(starts, width)))
             assert torch.equal(got, vals), (width, pad)
 
 
 def test_exchange_decodes_without_host_sync():
     lay = ParamLayout(odd_model(), weight_decay=0.1, exclude_norm_bias=True)
     part = build_partition(lay, 1, "flat")
-    ex = MaskExchange(part, Comm(), lay.total, "torch", layout=lay, coding="auto")
+    ex = MaskExchange(part, Comm(), lay.total, TORCH, layout=lay, coding="auto")
     bits = _owners_bits(lay, part, 0.05, 3)[0]
     ex.start(bits, 0.05).wait()                    # builds the plan's device tables
     with DeviceOpCounter() as ops:

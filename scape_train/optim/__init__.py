@@ -18,7 +18,7 @@ from .base import OptimizerStrategy
 from scape_train.comm import Comm
 from .config import OptimizerConfig
 from .density import SCHEDULES
-from .scape.mask_coding import MASK_CODINGS
+from .scape.mask_format import MASK_CODINGS
 from .scape.partition import PARTITIONERS
 from .scape.payload import PAYLOAD_DTYPES
 

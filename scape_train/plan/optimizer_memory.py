@@ -200,7 +200,8 @@ def _fused_path(cfg: Config, model: nn.Module, world: int, on_gpu: bool, mem: Op
     reference steps, which run before they exist). Where the density changes between fused steps
     (a warm-up, a cooldown), each step of the torch decode builds its mask plan's tables anew:
     the step's figure includes them too."""
-    from scape_train.optim.scape.mask_coding import BITMAP, MaskPlan
+    from scape_train.optim.scape.mask_coding import MaskPlan
+    from scape_train.optim.scape.mask_format import BITMAP
     from scape_train.optim.scape.masks import mask_counts
     from scape_train.optim.scape.partition import ParamLayout, build_partition
     from scape_train.plan.scape_step import trace_step
@@ -246,7 +247,7 @@ def _plan_vocab(cfg: Config) -> int:
 
 
 def _assemble_mask(r: Replay, part, in_flight: int) -> None:
-    """``MaskExchange.assemble``: each owner's bits unpacked (uint8 shifts), then one bool cat."""
+    """``MaskPlan.decode`` of the ``bitmap`` coding: each owner's bits unpacked (uint8 shifts), then one bool cat."""
     pieces = 0
     for lo, hi in part.ranges:
         r.spike(2 * (hi - lo), "unpacking the next mask")   # two of: >> , & 1, .bool() at a time

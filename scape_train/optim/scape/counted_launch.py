@@ -18,10 +18,15 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...profiling import active_counters
 
 
-def launch(kernel, grid: tuple, name: str, nbytes: int, *args, **meta) -> None:
-    """``kernel[grid](*args, **meta)``, reported to the active counters as ``name``."""
+def count(name: str, nbytes: int) -> None:
+    """One pass ``name`` moving ``nbytes``, reported to the active counters."""
     for counter in active_counters:
         counter.add_kernel(name, nbytes)
+
+
+def launch(kernel, grid: tuple, name: str, nbytes: int, *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)``, reported to the active counters as ``name``."""
+    count(name, nbytes)
     run(kernel, grid, *args, **meta)
 
 

@@ -21,7 +21,7 @@ differences are ≤ 1 ulp per op: a vectorized ``add(alpha=)``/``addcmul`` may u
 body of a tensor and a separate multiply-add in its scalar tail (the k-sized gathered tensors put
 other coordinates in the tail), and ‖ĝ‖ comes from a float64 sum of squares.
 
-The passes behind one interface, chosen once (:func:`.kernels.select_passes`): the Triton
+The passes behind one interface, chosen once (:func:`.strategy.select_passes`): the Triton
 kernels on CUDA (:mod:`.triton_passes`) or torch ops (:mod:`.torch_passes`: the CPU,
 ``use_triton=off``, and a low-precision payload, whose parameter sync adds decoded updates rather
 than writing new values); both take tensors, :mod:`.passes`' segments and AdamS constants, and
@@ -111,7 +111,7 @@ class _FusedEngine:
         self.codec = PayloadCodec(cfg.payload_dtype)
         self.record = False          # tests: keep this step's intermediates in ``last``
         self.last: dict[str, torch.Tensor] = {}
-        # the passes (kernels.select_passes): chosen once; the torch ones serve what the
+        # the passes (strategy.select_passes): chosen once; the torch ones serve what the
         # Triton kernels do not take
         self._lib = lib or TorchPasses()
         self._torch = self._lib if isinstance(self._lib, TorchPasses) else TorchPasses()

@@ -62,7 +62,7 @@ class Mask:
     """A mask M_t as the step holds it: the sorted flat indices of its ones (with the mask
     packed 1 bit per element beside them), its full bool tensor, or both.
 
-    The C and Triton decodes give the indices and the packed bits and write no bool tensor: the
+    The Triton decode gives the indices and the packed bits and writes no bool tensor: the
     fused step walks the indices, the next step's overlap metric reads the bits (1/8 byte per
     element), so no byte-per-element mask is held across steps. The bool form -- what the
     reference engines, checkpoints and the legacy ``bitmap`` coding use -- is made from the
@@ -130,7 +130,7 @@ class Mask:
 def overlap(cur: Mask, prev: Mask, lib) -> torch.Tensor:
     """Ones of ``cur`` that ``prev`` has too (the masks' temporal stability metric), as a
     tensor: from the index lists when both have them, O(k) in the passes ``lib``
-    (:func:`.kernels.select_passes`): ``cur``'s looked up in ``prev``'s packed bits, the decode's
+    (:func:`.strategy.select_passes`): ``cur``'s looked up in ``prev``'s packed bits, the decode's
     or marked in a scratch bitmap. Else one full-size AND of the bool tensors."""
     a, b = cur.indices, prev.indices
     if a is None or b is None:
@@ -179,9 +179,9 @@ class MaskExchange:
     per segment and need ``layout`` and the density the mask was built at (its ``k`` per segment),
     from which every rank derives the same sizes (:class:`MaskPlan`)."""
 
-    def __init__(self, part: PartitionMap, comm: Comm, total: int, backend: str = "auto", *,
+    def __init__(self, part: PartitionMap, comm: Comm, total: int, lib, *,
                  layout: ParamLayout | None = None, coding: str = "bitmap"):
-        self.part, self.comm, self.total, self.backend = part, comm, total, backend
+        self.part, self.comm, self.total, self.lib = part, comm, total, lib
         self.layout, self.coding = layout, coding
         self.lengths = [hi - lo for lo, hi in part.ranges]
         self._plans: dict[float, MaskPlan] = {}
@@ -219,21 +219,18 @@ class MaskExchange:
                              f"{own_bits.numel()} mask bits")
         plan = self.plan(density)
         if plan.shard_bytes == 0:           # all ones everywhere: nothing to send
-            return PendingMask.ready(plan.decode(None, own_bits.device, self.backend), self)
-        shard = plan.encode(own_bits, rank, self.backend)
+            return PendingMask.ready(self.assemble_mask(None, plan, own_bits.device), self)
+        shard = plan.encode(own_bits, rank, self.lib)
         gathered = torch.empty(plan.shard_bytes * self.comm.world, dtype=torch.uint8,
                                device=own_bits.device)
         handle = self.comm.all_gather(gathered, shard, kind="mask", async_op=async_op)
         return PendingMask(handle, gathered, self, plan=plan)
 
-    def assemble_mask(self, gathered: torch.Tensor, plan: MaskPlan | None = None) -> Mask:
-        """The :class:`Mask` from every owner's shard: its indices and packed bits where the
-        decode gives them (no bool tensor written), else its bool tensor
-        (:meth:`MaskPlan.decode_parts`)."""
-        plan = plan if plan is not None else self.plan(1.0)
-        dense, idx, bits = plan.decode_parts(gathered, gathered.device, self.backend)
+    def assemble_mask(self, gathered: torch.Tensor | None, plan: MaskPlan | None = None,
+                      device: torch.device | None = None) -> Mask:
+        """The :class:`Mask` from every owner's shard (none: a plan of all ones): its indices
+        and packed bits where the decode gives them (no bool tensor written), else its bool
+        tensor (:meth:`MaskPlan.decode`)."""
+        dense, idx, bits = (plan or self.plan(1.0)).decode(
+            gathered, device or gathered.device, self.lib)
         return Mask(self.total, dense=dense, indices=idx, bits=bits)
-
-    def assemble(self, gathered: torch.Tensor, plan: MaskPlan | None = None) -> torch.Tensor:
-        plan = plan if plan is not None else self.plan(1.0)
-        return plan.decode(gathered, gathered.device, self.backend)

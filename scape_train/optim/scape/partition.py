@@ -79,13 +79,6 @@ class PartitionMap:
     ranges: list[tuple[int, int]]        # rank -> [lo, hi) in the flat space
     segments: list[list[Segment]]        # rank -> its segments, in flat order
 
-    def owner(self, flat_index: int) -> int:
-        """The rank owning flat element ``flat_index``."""
-        for r, (lo, hi) in enumerate(self.ranges):
-            if lo <= flat_index < hi:
-                return r
-        raise IndexError(f"flat index {flat_index} is outside the parameter space")
-
 
 def build_partition(layout: ParamLayout, world: int, kind: str) -> PartitionMap:
     """``tensor``: whole tensors, contiguous, balanced by count; ``flat``: n equal chunks."""

@@ -1,6 +1,6 @@
 """What the fused step's passes take besides tensors: the parameters' segments of the mask and
 one AdamS step's constants; shared by the two implementations (:mod:`.torch_passes`,
-:mod:`.triton_passes`), one of which :func:`.kernels.select_passes` picks once.
+:mod:`.triton_passes`), one of which :func:`.strategy.select_passes` picks once.
 """
 
 from __future__ import annotations

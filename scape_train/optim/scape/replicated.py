@@ -34,9 +34,8 @@ def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 class ReplicatedScape:
     mode = "replicated"
 
-    def __init__(self, layout: ParamLayout, part: PartitionMap, cfg: OptimizerConfig, comm: Comm,
-                 backend: str):
-        self.layout, self.part, self.cfg, self.comm, self.backend = layout, part, cfg, comm, backend
+    def __init__(self, layout: ParamLayout, part: PartitionMap, cfg: OptimizerConfig, comm: Comm):
+        self.layout, self.part, self.cfg, self.comm = layout, part, cfg, comm
         dev, n = layout.device, layout.total
         self.state = ScapeState(
             m=torch.zeros(n, dtype=torch.float32, device=dev),
@@ -78,23 +77,22 @@ class ReplicatedScape:
         if self.record:
             self.last = {"c": c.clone(), "m_prev": self.state.m.clone()}
         k = sum(map(sum, counts))
-        payload = gather_masked(c, bits, backend=self.backend, count=k)
+        payload = gather_masked(c, bits, count=k)
         if self.codec.lowp:
             # the mean, identical on every rank; this rank's error goes into its residual
             payload, err = all_reduce_mean(payload, self.comm, self.codec, kind="payload")
-            self._res_sq = self._res_sq + self.state.residual.set_masked(err, bits, k,
-                                                                         self.backend)
+            self._res_sq = self._res_sq + self.state.residual.set_masked(err, bits, k)
             if self.record:
                 self.last["wire_error"] = err.clone()
         else:
             self.comm.all_reduce(payload, kind="payload", average=True)
-        ghat_c = gather_masked(self.state.m, bits, backend=self.backend, count=k)
+        ghat_c = gather_masked(self.state.m, bits, count=k)
         ghat_c.mul_(-beta1).add_(payload).div_(1.0 - beta1)    # (b̄ - β1·m) / (1-β1)
         norm = torch.linalg.vector_norm(ghat_c)
         if cfg.clip_grad > 0:
             ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
         ghat = torch.zeros_like(c)
-        scatter_masked(ghat_c, bits, ghat, backend=self.backend, count=k)
+        scatter_masked(ghat_c, bits, ghat, count=k)
         if self.record:
             self.last.update(payload=payload.clone(), ghat=ghat.clone())
         for i, p in enumerate(self.layout.params):

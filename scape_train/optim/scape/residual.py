@@ -94,17 +94,16 @@ class ResidualStore:
         self._each(fn)
         return sq
 
-    def set_masked(self, values: torch.Tensor, mask: torch.Tensor, count: int,
-                   backend: str = "auto") -> torch.Tensor:
+    def set_masked(self, values: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
         """``e[M] = values`` (compact, in mask order; ``count`` ones) where ``e`` is 0 on the mask
         (after :meth:`fold` / :meth:`set_from`): a low-precision payload's quantization error.
         Returns ``||values||²`` (float64 device tensor), what ``||e||²`` grows by."""
         self._apply_deferred_zero()
         if self._host is None:
-            scatter_masked(values, mask, self._dev, backend=backend, count=count)
+            scatter_masked(values, mask, self._dev, count=count)
         else:
             dense = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-            scatter_masked(values, mask, dense, backend=backend, count=count)
+            scatter_masked(values, mask, dense, count=count)
 
             def fn(s: int, e: int, chunk: torch.Tensor) -> None:
                 chunk.copy_(torch.where(mask[s:e], dense[s:e], chunk))

@@ -36,9 +36,8 @@ from .state import ScapeState
 class ShardedScape:
     mode = "sharded"
 
-    def __init__(self, layout: ParamLayout, part: PartitionMap, cfg: OptimizerConfig, comm: Comm,
-                 backend: str):
-        self.layout, self.part, self.cfg, self.comm, self.backend = layout, part, cfg, comm, backend
+    def __init__(self, layout: ParamLayout, part: PartitionMap, cfg: OptimizerConfig, comm: Comm):
+        self.layout, self.part, self.cfg, self.comm = layout, part, cfg, comm
         dev = layout.device
         self.lo, self.hi = part.ranges[comm.rank]
         own = self.hi - self.lo
@@ -88,7 +87,7 @@ class ShardedScape:
         width = max(1, max(counts))
         # Payload: this rank's x at every mask position, in flat order = owner order; pad each
         # owner's piece to ``width`` so one reduce-scatter hands each owner its piece.
-        payload = gather_masked(x, bits, backend=self.backend, count=sum(counts))
+        payload = gather_masked(x, bits, count=sum(counts))
         send = torch.zeros(world * width, dtype=torch.float32, device=x.device)
         start = 0
         for r, k in enumerate(counts):
@@ -102,7 +101,7 @@ class ShardedScape:
             err = send.view(world, width).sub_(sent)
             err_c = torch.cat([err[r, :k] for r, k in enumerate(counts)])
             self._res_sq = self._res_sq + self.state.residual.set_masked(
-                err_c, bits, err_c.numel(), self.backend)
+                err_c, bits, err_c.numel())
             if self.record:
                 self.last["wire_error"] = err_c.clone()
         else:
@@ -113,8 +112,8 @@ class ShardedScape:
         k_own = counts[rank]
         own_mask = bits[self.lo:self.hi]
         base = self._base()
-        b_c = recv[:k_own].add_(gather_masked(base, own_mask, backend=self.backend, count=k_own))
-        ghat_c = gather_masked(self.state.m, own_mask, backend=self.backend, count=k_own)
+        b_c = recv[:k_own].add_(gather_masked(base, own_mask, count=k_own))
+        ghat_c = gather_masked(self.state.m, own_mask, count=k_own)
         ghat_c.mul_(-beta1).add_(b_c).div_(1.0 - beta1)
         sq = ghat_c.double().square().sum().float().reshape(1)
         comm.all_reduce(sq, kind="norm", average=False)
@@ -123,7 +122,7 @@ class ShardedScape:
             ghat_c.mul_(clip_coef(norm, cfg.clip_grad))
         self.state.rho = base.masked_fill_(own_mask, 0.0)
         ghat = torch.zeros_like(self.state.m)
-        scatter_masked(ghat_c, own_mask, ghat, backend=self.backend, count=k_own)
+        scatter_masked(ghat_c, own_mask, ghat, count=k_own)
         decayed = self._decayed_own(lr) if self.codec.lowp else None
         for seg in self.part.segments[rank]:
             a = seg.flat_start - self.lo
@@ -147,7 +146,7 @@ class ShardedScape:
         own = [lay.flat_view(s.tensor)[s.start:s.end] for s in self.part.segments[rank]]
         shard = torch.zeros(width, dtype=torch.float32, device=lay.device)
         if own:
-            vals = gather_masked(torch.cat(own), mask[self.lo:self.hi], backend=self.backend,
+            vals = gather_masked(torch.cat(own), mask[self.lo:self.hi],
                                  count=counts[rank])
             shard[:vals.numel()] = vals
         gathered = torch.empty(width * self.comm.world, dtype=torch.float32, device=lay.device)
@@ -162,7 +161,7 @@ class ShardedScape:
                 if wd != 0.0:
                     view.mul_(1.0 - lr * wd)   # off-mask coordinates: weight decay only
                 m = mask[seg.flat_start:seg.flat_start + seg.numel]
-                scatter_masked(gathered[at:at + k], m, view, backend=self.backend, count=k)
+                scatter_masked(gathered[at:at + k], m, view, count=k)
                 at += k
 
     # -- low-precision parameter sync ----------------------------------------------------------
@@ -197,9 +196,9 @@ class ShardedScape:
         k_own = counts[rank]
         shard = torch.zeros(width, dtype=torch.float32, device=lay.device)
         if k_own:
-            delta = (gather_masked(self._own_values(), own_mask, backend=self.backend, count=k_own)
-                     .sub_(gather_masked(decayed, own_mask, backend=self.backend, count=k_own))
-                     .add_(gather_masked(self.state.update_residual, own_mask, backend=self.backend,
+            delta = (gather_masked(self._own_values(), own_mask, count=k_own)
+                     .sub_(gather_masked(decayed, own_mask, count=k_own))
+                     .add_(gather_masked(self.state.update_residual, own_mask,
                                          count=k_own)))
             shard[:k_own] = delta
         applied = all_gather_rows(shard, self.comm, self.codec, kind="params")
@@ -207,7 +206,7 @@ class ShardedScape:
             self.last["update_target"] = shard[:k_own].clone()
         if k_own:
             scatter_masked(shard[:k_own].sub_(applied[rank, :k_own]), own_mask,
-                           self.state.update_residual, backend=self.backend, count=k_own)
+                           self.state.update_residual, count=k_own)
         if self.record:
             self.last["update_sent"] = applied[rank, :k_own].clone()
         # the owner's parameters back to (1-lr·wd)·θ, then the common path
@@ -223,9 +222,9 @@ class ShardedScape:
                 if r != rank and wd != 0.0:
                     view.mul_(1.0 - lr * wd)
                 m = mask[seg.flat_start:seg.flat_start + seg.numel]
-                vals = gather_masked(view, m, backend=self.backend, count=k).add_(
+                vals = gather_masked(view, m, count=k).add_(
                     applied[r, at:at + k])
-                scatter_masked(vals, m, view, backend=self.backend, count=k)
+                scatter_masked(vals, m, view, count=k)
                 at += k
 
     def finish_step(self) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ synchronously (all ones, without communication, while the density is 1).
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from typing import Any
 
@@ -26,16 +27,44 @@ from ..config import OptimizerConfig
 from ..density import DensitySchedule
 from ..grad_buffer import FlatGradBuffer
 from ..state import FlatShard, ShardSource, StateParts
-from .kernels import pack_bits, resolve_backend, select_passes, unpack_bits
+from .kernels import pack_bits, triton_available, unpack_bits
 from .masks import (Mask, MaskExchange, PendingMask, mask_counts, measured_counts, overlap,
                     topk_own_mask)
 from .partition import ParamLayout, build_partition
 from .fused import FusedReplicatedScape, FusedShardedScape, fuses
 from .replicated import ReplicatedScape
 from .sharded import ShardedScape
+from .torch_passes import TorchPasses
 
-_KERNEL_BACKEND = {"auto": "auto", "on": "triton", "off": "torch"}
 STATE_VERSION = 1
+_triton_passes: dict[str, Any] = {}
+
+
+def select_passes(use_triton: str, device: torch.device):
+    """SCAPE's passes for tensors on ``device`` (``optimizer.use_triton``: auto, on or off): the
+    Triton kernels (:class:`.triton_passes.TritonPasses`, one per device) on CUDA where triton
+    imports, else the torch ops (:class:`.torch_passes.TorchPasses`), also the oracle the
+    kernels are tested against. ``on`` fails here when Triton cannot run (on CPU tensors it
+    needs ``TRITON_INTERPRET=1`` set before triton is first imported: how tests run it)."""
+    device = torch.device(device)
+    if use_triton not in ("auto", "on", "off"):
+        raise ValueError(f"use_triton must be auto, on or off, got {use_triton!r}")
+    if use_triton == "off" or (use_triton == "auto"
+                               and (device.type != "cuda" or not triton_available())):
+        return TorchPasses()
+    if not triton_available():
+        raise RuntimeError("optimizer.use_triton=on but triton cannot be imported; install "
+                           "triton (Linux) or set optimizer.use_triton=off")
+    interpreted = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
+    if device.type != "cuda" and not interpreted:
+        raise RuntimeError("optimizer.use_triton=on with the model on the CPU needs "
+                           "TRITON_INTERPRET=1 set before triton is first imported; set "
+                           "optimizer.use_triton=off (or auto) on the CPU")
+    if str(device) not in _triton_passes:
+        from .triton_passes import TritonPasses   # imports triton: only when chosen
+
+        _triton_passes[str(device)] = TritonPasses(device)
+    return _triton_passes[str(device)]
 
 
 class ScapeStrategy(OptimizerStrategy):
@@ -47,19 +76,16 @@ class ScapeStrategy(OptimizerStrategy):
         self.layout = ParamLayout(model, weight_decay=cfg.weight_decay,
                                   exclude_norm_bias=cfg.exclude_norm_bias)
         self._check_backend()
-        # the kernels, chosen once: "triton" or "torch" for the mask kernels and codings, the
-        # fused step's Triton or torch passes; fails now, not at the first step, when Triton is
-        # forced where it cannot run
-        self.backend = resolve_backend(_KERNEL_BACKEND[cfg.use_triton],
-                                       torch.empty(0, device=self.layout.device))
-        self.passes = select_passes(self.backend, self.layout.device)
+        # the kernels, chosen once (the masks' codecs and the fused step's passes); fails now,
+        # not at the first step, when Triton is forced where it cannot run
+        self.passes = select_passes(cfg.use_triton, self.layout.device)
         self.part = build_partition(self.layout, self.comm.world, cfg.partitioner)
-        self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.backend,
+        self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.passes,
                                      layout=self.layout, coding=cfg.mask_coding)
         reference, fused = ((ShardedScape, FusedShardedScape) if cfg.sharded
                             else (ReplicatedScape, FusedReplicatedScape))
         args = (self.layout, self.part, cfg, self.comm)
-        self.reference = reference(*args, self.backend)
+        self.reference = reference(*args)
         # the O(k) engine, where the configuration allows it (fuses); it works on the
         # reference's state, and a step at a density it does not accept runs the reference
         self.fused = (fused(self.reference.state, *args, lib=self.passes)
@@ -256,7 +282,7 @@ class ScapeStrategy(OptimizerStrategy):
         if mask is None:
             return None
         lay = self.layout
-        packed = {n: pack_bits(mask[lay.offsets[i]:lay.offsets[i + 1]], backend="torch")
+        packed = {n: pack_bits(mask[lay.offsets[i]:lay.offsets[i + 1]])
                   for i, n in enumerate(lay.names)}
         return {n: t.cpu() for n, t in packed.items()} if host else packed
 
@@ -287,7 +313,7 @@ class ScapeStrategy(OptimizerStrategy):
         if per_name is None:
             return None
         lay = self.layout
-        return torch.cat([unpack_bits(per_name[n].to(lay.device), p.numel(), backend="torch")
+        return torch.cat([unpack_bits(per_name[n].to(lay.device), p.numel())
                           for n, p in zip(lay.names, lay.params)])
 
     def _header(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""The fused SCAPE step's passes as torch ops: the CPU path, the CUDA fallback (``use_triton:
-off``, a low-precision payload) and the oracle the Triton passes (:mod:`.triton_passes`) are
-tested against. The same methods with the same arguments, chosen once by
-:func:`.kernels.select_passes`.
+"""SCAPE's passes as torch ops: the CPU path, the CUDA fallback (``use_triton: off``, a
+low-precision payload) and the oracle the Triton passes (:mod:`.triton_passes`) are tested
+against. The same methods with the same arguments, chosen once by
+:func:`.strategy.select_passes`: the fused step's passes, and the masks' packing and codecs
+(:mod:`.kernels`, :mod:`.torch_codecs`).
 
 Values: the reference engines' elementwise ops in their order on every coordinate, so the fused
 step agrees with them bit for bit wherever torch's CPU kernels round alike (see :mod:`.fused`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...host_to_device import upload
+from . import kernels, torch_codecs
 from .passes import AdamSStep, ParamSegment
 
 
@@ -26,7 +28,13 @@ def _sq_k(x: torch.Tensor) -> torch.Tensor:
 
 
 class TorchPasses:
-    """The fused step's passes in torch ops (see the module docstring); one per strategy."""
+    """SCAPE's passes in torch ops (see the module docstring); one per strategy."""
+
+    # -- the masks: packed bits and the segment codecs (MaskPlan's) --------------------------
+    pack_bits = staticmethod(kernels.pack_bits)
+    unpack_bits = staticmethod(kernels.unpack_bits)
+    encode_mask = staticmethod(torch_codecs.encode_mask)
+    decode_mask = staticmethod(torch_codecs.decode_mask)
 
     def __init__(self):
         self._views_key: tuple | None = None

@@ -1,11 +1,8 @@
-"""Triton kernels for SCAPE's mask codings (:mod:`.mask_coding`: ``bitmap`` / ``indices`` /
-``elias_fano`` segments and implicit all-ones ones); the payload's codec is torch ops only.
-The CUDA path; tests run it under ``TRITON_INTERPRET=1``.
-
-``MaskPlan`` imports this module lazily (it imports triton), only when
-``kernels.resolve_backend`` picks ``"triton"``. Its format, bit for bit, is this module's
-contract: every byte, mask bit and index equals the torch path's. (The
-whole-range ``mask_coding=bitmap`` format is ``kernels.pack_bits``, Triton there already.)
+"""The masks' Triton kernels (the CUDA path): whole-range bit packing and the segment codings
+of :mod:`.mask_coding` (``bitmap`` / ``indices`` / ``elias_fano`` segments and implicit all-ones
+ones). Reached through :class:`.triton_passes.TritonPasses`; tests run them under
+``TRITON_INTERPRET=1``. Their format, bit for bit, is :mod:`.torch_codecs`' (and
+:func:`.kernels.pack_bits`'): every byte, mask bit and index equals the torch path's.
 
 No host reads (NCCL's rule). Every size -- grid, output, table -- comes from the host-known plan
 (segments and their counts ``k``), never from the device: no ``.item()``, no output whose size
@@ -41,11 +38,12 @@ import triton.language as tl
 
 from ...host_to_device import host_table, upload
 from .counted_launch import launch
+from .kernels import check_mask, check_packed
 from .mask_format import ALL, BITMAP, ELIAS_FANO, INDICES, SegCode, bits_bytes
 from .mask_format import KIND_CODES as _KIND
 
 BLOCK = 4096            # stream positions per program (4096 bits = 512 packed bytes)
-PACK_BYTES = 1024       # bitmap bytes packed per program (8192 elements)
+PACK_BYTES = 1024       # bytes packed or unpacked per program (8192 elements)
 NUM_WARPS = 8
 
 K_INDICES, K_EF = tl.constexpr(_KIND[INDICES]), tl.constexpr(_KIND[ELIAS_FANO])
@@ -136,6 +134,53 @@ def _or_bits(words_ptr, bit, value, valid):
     hi = (shifted >> 32).to(tl.int32)
     tl.atomic_or(words_ptr + word, lo, mask=valid & (lo != 0))
     tl.atomic_or(words_ptr + word + 1, hi, mask=valid & (hi != 0))
+
+
+# ----------------------------------------------------------------------------------------------
+# whole-range packing (kernels.pack_bits' layout)
+
+
+@triton.jit
+def _pack_kernel(mask_ptr, out_ptr, n, nbytes, PACK_BYTES: tl.constexpr):
+    byte_offs = tl.program_id(0).to(tl.int64) * PACK_BYTES + tl.arange(0, PACK_BYTES)
+    shifts = tl.arange(0, 8)
+    elem = byte_offs[:, None] * 8 + shifts[None, :]
+    bits = (tl.load(mask_ptr + elem, mask=elem < n, other=0) != 0).to(tl.int32)
+    byte = tl.sum(bits << shifts[None, :], axis=1)  # distinct bits: sum == bitwise or
+    tl.store(out_ptr + byte_offs, byte.to(tl.uint8), mask=byte_offs < nbytes)
+
+
+@triton.jit
+def _unpack_kernel(packed_ptr, out_ptr, n, nbytes, PACK_BYTES: tl.constexpr):
+    byte_offs = tl.program_id(0).to(tl.int64) * PACK_BYTES + tl.arange(0, PACK_BYTES)
+    byte = tl.load(packed_ptr + byte_offs, mask=byte_offs < nbytes, other=0).to(tl.int32)
+    shifts = tl.arange(0, 8)
+    elem = byte_offs[:, None] * 8 + shifts[None, :]
+    tl.store(out_ptr + elem, ((byte[:, None] >> shifts[None, :]) & 1).to(tl.uint8),
+             mask=elem < n)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """:func:`.kernels.pack_bits` in one launch."""
+    check_mask(mask)
+    n = mask.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=mask.device)
+    if n:
+        launch(_pack_kernel, (triton.cdiv(out.numel(), PACK_BYTES),), "pack_bits",
+               n + out.numel(), mask.reshape(-1).contiguous().view(torch.uint8), out, n,
+               out.numel(), PACK_BYTES=PACK_BYTES, num_warps=NUM_WARPS)
+    return out
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`.kernels.unpack_bits` in one launch."""
+    check_packed(packed, n)
+    out = torch.empty(n, dtype=torch.uint8, device=packed.device)
+    if n:
+        launch(_unpack_kernel, (triton.cdiv(packed.numel(), PACK_BYTES),), "unpack_bits",
+               packed.numel() + n, packed.contiguous(), out, n, packed.numel(),
+               PACK_BYTES=PACK_BYTES, num_warps=NUM_WARPS)
+    return out.view(torch.bool)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,14 +279,13 @@ def _block_starts(src: torch.Tensor, tab: torch.Tensor, packed: bool, name: str,
     return torch.cumsum(counts, dim=0).sub_(counts)
 
 
-def encode_mask(segs: list[SegCode], lo: int, shard_bytes: int, own_bits: torch.Tensor,
-                cache: dict) -> torch.Tensor:
-    """The owner's shard (``shard_bytes`` uint8) of its bits over its range (starting at flat
-    ``lo``), as ``MaskPlan.encode``."""
-    key = ("encode", lo, str(own_bits.device))
-    if key not in cache:
-        cache[key] = _encode_tables(segs, lo, own_bits.device)
-    t = cache[key]
+def encode_mask(plan, own_bits: torch.Tensor, rank: int) -> torch.Tensor:
+    """The owner's shard (``plan.shard_bytes`` uint8) of its bits over its range."""
+    shard_bytes, lo = plan.shard_bytes, plan.part.ranges[rank][0]
+    key = ("triton_encode", rank, str(own_bits.device))
+    if key not in plan.cache:
+        plan.cache[key] = _encode_tables(plan.segs[rank], lo, own_bits.device)
+    t = plan.cache[key]
     words = torch.zeros(-(-shard_bytes // 4), dtype=torch.int32, device=own_bits.device)
     shard = words.view(torch.uint8)[:shard_bytes]
     bits = own_bits.contiguous().view(torch.uint8)
@@ -334,20 +378,19 @@ def _decode_tables(segs: list[list[SegCode]], shard_bytes: int, device: torch.de
     return t
 
 
-def decode_mask(segs: list[list[SegCode]], shard_bytes: int, total: int,
-                gathered: torch.Tensor | None, device: torch.device, cache: dict
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(indices, bits)``: the flat indices of the ones from every owner's shard, increasing,
-    and the mask packed 1 bit per element (``mask_format.bits_bytes(total)`` uint8), as
-    ``MaskPlan.decode_parts`` (for every coding)."""
-    key = ("decode", str(device))
-    if key not in cache:
-        cache[key] = _decode_tables(segs, shard_bytes, device)
-    t = cache[key]
+def decode_mask(plan, gathered: torch.Tensor | None, device: torch.device
+                ) -> tuple[None, torch.Tensor, torch.Tensor]:
+    """``(None, indices, bits)``: the flat indices of the ones from every owner's shard,
+    increasing, and the mask packed 1 bit per element (``mask_format.bits_bytes(total)``
+    uint8), for every segment coding."""
+    key = ("triton_decode", str(device))
+    if key not in plan.cache:
+        plan.cache[key] = _decode_tables(plan.segs, plan.shard_bytes, device)
+    t = plan.cache[key]
     buf = gathered.contiguous() if gathered is not None and gathered.numel() else \
         torch.zeros(1, dtype=torch.uint8, device=device)       # a valid pointer, never read
     idx = torch.empty(t["ones"], dtype=torch.int64, device=device)
-    words = torch.zeros(bits_bytes(total) // 4, dtype=torch.int32, device=device)
+    words = torch.zeros(bits_bytes(plan.total) // 4, dtype=torch.int32, device=device)
     scan, direct, nbytes = t["scan"], t["direct"], t["bytes"]
     if scan.shape[0]:
         starts = _block_starts(buf, scan, True, "mask_decode_count", nbytes["mask_decode_count"])
@@ -358,4 +401,4 @@ def decode_mask(segs: list[list[SegCode]], shard_bytes: int, total: int,
         launch(_decode_direct_kernel, (direct.shape[0],), "mask_decode_direct",
                nbytes["mask_decode_direct"], buf, buf.numel(), direct, words, idx, BLOCK=BLOCK,
                num_warps=NUM_WARPS)
-    return idx, words.view(torch.uint8)
+    return None, idx, words.view(torch.uint8)

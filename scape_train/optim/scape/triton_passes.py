@@ -1,4 +1,5 @@
-"""The fused SCAPE step's passes as Triton kernels (CUDA), chosen by :func:`.kernels.select_passes`.
+"""SCAPE's passes as Triton kernels (CUDA), chosen by :func:`.strategy.select_passes`: the fused
+step's passes here, the masks' packing and codecs in :mod:`.triton_codecs`.
 
 Every method takes tensors (contiguous fp32 values, int64 indices) and the host-known sizes
 the density schedule gives; each call is counted as one pass by the active
@@ -31,8 +32,8 @@ import triton
 import triton.language as tl
 
 from ...host_to_device import host_table, upload
-from ...profiling import active_counters
-from .counted_launch import run
+from . import triton_codecs
+from .counted_launch import count, run
 from .passes import AdamSStep, ParamSegment, flat_buffer
 
 FULL_BLOCK = 4096      # elements per program of a full-size pass
@@ -262,13 +263,13 @@ def _decays(seg: ParamSegment) -> bool:
     return _float_bits(seg.decay) != _ONE_BITS and seg.s1 > seg.s0
 
 
-def _count(name: str, nbytes: int) -> None:
-    for counter in active_counters:
-        counter.add_kernel(name, nbytes)
-
-
 class TritonPasses:
-    """The fused step's passes for tensors on ``device`` (see the module docstring)."""
+    """SCAPE's passes for tensors on ``device`` (see the module docstring)."""
+
+    pack_bits = staticmethod(triton_codecs.pack_bits)
+    unpack_bits = staticmethod(triton_codecs.unpack_bits)
+    encode_mask = staticmethod(triton_codecs.encode_mask)
+    decode_mask = staticmethod(triton_codecs.decode_mask)
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -370,7 +371,7 @@ class TritonPasses:
     def prepare_general(self, grads: list[torch.Tensor], offsets: list[int], e: torch.Tensor,
                         m: torch.Tensor, beta1: float, s: float) -> torch.Tensor:
         """§2 line 1 where m may be nonzero anywhere: e ← β1·m + s·g + e; Σ c²."""
-        _count("prepare_general", 16 * offsets[-1])
+        count("prepare_general", 16 * offsets[-1])
         return self._prepare(self._flat(grads, offsets), e, s, m=m, beta1=beta1)
 
     def prepare(self, grads: list[torch.Tensor], offsets: list[int], e: torch.Tensor,
@@ -378,7 +379,7 @@ class TritonPasses:
                 beta1: float, s: float) -> torch.Tensor:
         """§2 line 1 with m's support ``pidx`` known (e_{t-1} = 0 there): e ← s·g + e, then
         e[pidx] ← β1·m + s·g; Σ c²."""
-        _count("prepare", 12 * offsets[-1] + 24 * pidx.numel())
+        count("prepare", 12 * offsets[-1] + 24 * pidx.numel())
         g = self._flat(grads, offsets)
         sq = self._prepare(g, e, s)
 
@@ -393,7 +394,7 @@ class TritonPasses:
         """§3's prepare: ρ ← β1·m at the owner's m support (ρ = 0 elsewhere there), x ← s·g + x,
         cand = ρ + x on the own range; Σ x²."""
         kp = pidx_own.numel()
-        _count("prepare_sharded", 12 * offsets[-1] + 8 * (hi - lo) + 16 * kp)
+        count("prepare_sharded", 12 * offsets[-1] + 8 * (hi - lo) + 16 * kp)
 
         def launch(a, n, _parts):
             run(_rho_kernel, (triton.cdiv(n, K_BLOCK),), pidx_own[a:], n, rho, m, beta1,
@@ -404,12 +405,12 @@ class TritonPasses:
     def gather(self, idx: torch.Tensor, src: torch.Tensor, out: torch.Tensor, base: int = 0
                ) -> torch.Tensor:
         """out ← src[idx - base]; Σ out²."""
-        _count("gather", 16 * idx.numel())
+        count("gather", 16 * idx.numel())
         return self._gather(idx, src, out, base)
 
     def take(self, idx: torch.Tensor, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out ← src[idx], then src[idx] ← 0; Σ out²."""
-        _count("take", 20 * idx.numel())
+        count("take", 20 * idx.numel())
         return self._gather(idx, src, out, take=True)
 
     def ghat(self, b: torch.Tensor, m_old: torch.Tensor, beta1: float, *,
@@ -419,7 +420,7 @@ class TritonPasses:
         then ρ ← 0 there) - β1·m_old) / (1-β1); with ``m``, m_old ← m[idx - base] first (the
         old momentum at the mask, for :meth:`adams`); Σ ĝ²."""
         k = b.numel()
-        _count("ghat", k * (12 + (8 if m is not None or rho is not None else 0)
+        count("ghat", k * (12 + (8 if m is not None or rho is not None else 0)
                             + (4 if m is not None else 0) + (8 if rho is not None else 0)))
 
         def launch(a, n, parts):
@@ -440,7 +441,7 @@ class TritonPasses:
         written to ``out`` and θ left as it is."""
         k = ghat.numel()
         decayed = sum(s.s1 - s.s0 for s in segs if _decays(s))
-        _count("adams", 28 * k + (0 if old_support is None else 12 * old_support.numel())
+        count("adams", 28 * k + (0 if old_support is None else 12 * old_support.numel())
                + (0 if out is not None else 8 * decayed))
         if out is None:      # the off-mask update (and the first half of the on-mask one)
             self._decay(segs)
@@ -462,7 +463,7 @@ class TritonPasses:
                        ) -> None:
         """θ ← θ·dec on the segments, then θ[idx[a:b]] ← values[src:src + b - a] for each."""
         decayed = sum(s.s1 - s.s0 for s in segs if _decays(s))
-        _count("scatter_params", 16 * sum(s.b - s.a for s in segs) + 8 * decayed)
+        count("scatter_params", 16 * sum(s.b - s.a for s in segs) + 8 * decayed)
         self._decay(segs)          # first: the scatter overwrites the mask positions
         blocks = self._segment_blocks(segs)
         if blocks.numel():
@@ -476,7 +477,7 @@ class TritonPasses:
         ``a``'s counted; an int64 device tensor."""
         assert bits.numel() % 16 == 0, "the overlap's bitmap is whole 16-byte words"
         na, nb = a.numel(), 0 if b is None else b.numel()
-        _count("count_common", 9 * (na + nb))    # the bitmap's zeroing is a torch op
+        count("count_common", 9 * (na + nb))    # the bitmap's zeroing is a torch op
         words = bits.view(torch.int32)
         if b is not None:
             words.zero_()
@@ -486,7 +487,7 @@ class TritonPasses:
                     BLOCK=K_BLOCK)
             self._over_k(nb, mark, sums=False)
 
-        def count(first, n, parts):
+        def lookup(first, n, parts):
             run(_count_bits_kernel, (triton.cdiv(n, K_BLOCK),), a[first:], n, words, parts,
                 BLOCK=K_BLOCK)
-        return self._over_k(na, count, torch.int64)
+        return self._over_k(na, lookup, torch.int64)
