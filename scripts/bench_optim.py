@@ -139,7 +139,7 @@ def build(model, name: str, world: int, kw: dict):
     d = kw["density"]
     stat = torch.randn(s.layout.total, generator=torch.Generator().manual_seed(7))
     plan = s.exchange.plan(d)
-    rows = [plan.encode(topk_own_mask(stat[lo:hi], s.part, r, s.layout, d), r, "torch")
+    rows = [plan.encode(topk_own_mask(stat[lo:hi], s.part, r, s.layout, d), r, s.passes)
             for r, (lo, hi) in enumerate(s.part.ranges)]
     comm.mask_rows = torch.cat([r.view(-1) for r in rows])
     return s, Phases(s)
