@@ -18,7 +18,7 @@ checkpoints untouched and at worst a ``.tmp`` directory that the next save remov
 the manifest's checksums and use ``torch.load(weights_only=True)``; a corrupted checkpoint is
 skipped with a warning in favour of the previous valid one. Tensors are written from where they
 live (``torch.save`` copies each storage to the host as it writes it), so loaders pass
-``map_location``. Checkpoints of the earlier layout (everything in the rank files) still load.
+``map_location``. Checkpoints without a replicated file (everything in the rank files) load too.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ class LoadedCheckpoint:
     path: Path
     manifest: dict
     model: dict
-    replicated: dict          # rank 0's replicated part ({} in checkpoints of the earlier layout)
+    replicated: dict          # rank 0's replicated part ({} in checkpoints without a replicated file)
     per_rank: dict            # this rank's part (rank 0's if this rank did not exist then)
     resharded: bool           # saved with another world size
     shards: ShardReader

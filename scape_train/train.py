@@ -241,8 +241,8 @@ class Trainer:
             log.warning("resuming %s saved with world size %d on world size %d", path,
                         manifest["world_size"], self.info.world_size)
         # replicated: rank 0's (every rank's) part; per rank: this rank's; sharded: the owners'
-        # files, read for the range this rank holds now (checkpoints of the earlier layout hold
-        # everything in the rank files, which this reads just the same)
+        # files, read for the range this rank holds now (checkpoints without a replicated
+        # file hold everything in the rank files, which this reads just the same)
         own = ckpt.per_rank
         self.strategy.load_checkpoint_state(
             StateParts(replicated=ckpt.replicated.get("optimizer", {}),
