@@ -306,7 +306,7 @@ class LoadedCheckpoint:
     path: Path
     manifest: dict
     model: dict
-    replicated: dict          # rank 0's replicated part ({} in checkpoints without a replicated file)
+    replicated: dict          # rank 0's replicated part ({} where no replicated file was written)
     per_rank: dict            # this rank's part (rank 0's if this rank did not exist then)
     resharded: bool           # saved with another world size
     shards: ShardReader
