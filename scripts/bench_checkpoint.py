@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Checkpoint bytes per rank and in total for Llama-1.8B, before and after "each piece once".
+"""Checkpoint bytes per rank and in total for Llama-1.8B: each piece written once, against every
+rank writing its full state.
 
     .venv/bin/python scripts/bench_checkpoint.py [--worlds 8,64] [--out docs]
 
@@ -10,10 +11,11 @@ group, accounting only), the state a first step creates is allocated on meta
 (``materialize_for_accounting``), and the bytes come from ``checkpoint_layout.checkpoint_files`` +
 ``file_bytes`` -- the functions the save itself uses to decide and account what each rank writes
 (tests/test_checkpoint_layout.py checks them against the bytes real 2- and 4-rank saves put on
-disk). "before" applies the earlier rule -- every rank wrote its full state (replicated part,
-sharded state gathered to full size, its own part), the model on rank 0 -- to the same pieces.
+disk). "every rank writes all" applies the naive rule -- every rank writes its full state
+(replicated part, sharded state gathered to full size, its own part), the model on rank 0 -- to
+the same pieces.
 Per-rank data state is sized with an upper bound (the packer's pending tokens: seq_len int64).
-Written: <out>/checkpoint.md, <out>/figures/bench_checkpoint.json.
+Written: <out>/figures/bench_checkpoint.json and its section of <out>/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+import doc_sections  # noqa: E402
 
 from scape_train.checkpoint_layout import (AccountingComm, checkpoint_files, file_bytes,  # noqa: E402
                                            materialize_for_accounting, trainer_parts)
@@ -102,8 +106,9 @@ def compute(worlds: list[int]) -> dict:
 
 
 def table(res: dict) -> str:
-    out = ["| strategy | ranks | before: max per rank GB | before: total GB | after: max per rank GB "
-           "(rank 0 / others) | after: total GB | total saved |",
+    out = ["| strategy | ranks | every rank writes all: max per rank GB | every rank writes all: "
+           "total GB | as saved: max per rank GB (rank 0 / others) | as saved: total GB | "
+           "total saved |",
            "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         b, a = r["before"], r["after"]
@@ -124,54 +129,6 @@ def kinds_table(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-DOC = """# Checkpoint size: each piece of state written once
-
-A checkpoint (`scape_train/checkpoint.py`, layout in `scape_train/checkpoint_layout.py`) holds
-
-| file | written by | holds |
-|---|---|---|
-| `model.pt` | rank 0 | the model's state_dict |
-| `replicated.pt` | rank 0 | state identical on every rank: dense optimizer state under DDP, SCAPE's replicated-mode momentum, the current and next masks (packed bits), the train counters (synchronous strategies) |
-| `shard_XXXXX.pt` | each owner | owner-sharded state over the flat parameter space (SCAPE sharded `m` and `rho`), with the flat range `[lo, hi)` it covers |
-| `rank_XXXXX.pt` | every rank | its own state: SCAPE / top-k residuals, PowerSGD error feedback, DiLoCo/GASLoC inner and outer state, the data cursor, RNG states (and the train counters of local-step strategies) |
-| `manifest.json` | rank 0, last | step, world size, sha256 of every file (each rank hashes its own, rank 0 collects them), every shard's range, the accounted tensor bytes of every file |
-
-Strategies declare the split (`checkpoint_state() -> StateParts(replicated, per_rank, sharded)`);
-the manager stays generic. Nothing is gathered to be saved and nothing re-materialized: tensors are
-handed over as they live and `torch.save` copies each storage to the host as it writes it. On
-load every rank reads `model.pt` and `replicated.pt`, its own rank file (another rank's, flagged
-`resharded`, when the world size changed: per-rank residuals are then reset with a warning), and
-from the shard files only the flat range it holds now -- so SCAPE sharded and replicated modes load
-each other's checkpoints at any world size, and a sharded checkpoint reshards onto another
-partition. Checkpoints of the earlier layout (everything in the rank files) still load. Choosing
-the checkpoint to resume from (`latest_valid`) hashes every file on every rank, so that all ranks
-agree to skip a corrupted one; opening it then hashes only the files the rank reads (shard files
-when first read).
-
-## Llama-1.8B ({n_params:,} parameters), bytes per checkpoint
-
-Produced by `.venv/bin/python scripts/bench_checkpoint.py` ({seconds:.0f} s on this 2-core machine;
-data: `docs/figures/bench_checkpoint.json`). This is **accounting, not a disk benchmark**: each
-rank's strategy is built on the meta device for that rank of an assumed world size
-(`AccountingComm`, accounting only) and sized by `checkpoint_files` + `file_bytes`, the very
-functions the save uses to decide and account what each rank writes; `tests/test_checkpoint_layout.py`
-checks them against the bytes real 2- and 4-rank gloo saves put on disk (within the serialization
-overhead: pickled structure and zip headers, a few KB per file). "Before" is the same pieces under
-the earlier rule: every rank wrote its full state, SCAPE sharded state gathered to full size first.
-GB = 10^9 bytes.
-
-{table}
-Where the bytes of "after" are (all ranks together):
-
-{kinds}
-What is left is, by construction, what differs per rank: SCAPE's full-size fp32 residual (e in
-replicated mode, eps in sharded mode) is each rank's own error feedback, so a SCAPE checkpoint
-still grows by 4 bytes per parameter per rank. Dense AdamW under DDP has no per-rank optimizer
-state, so its per-rank files are only the data cursor and RNG states (~KB). The per-rank maximum
-is rank 0's (model + replicated state); the other ranks write their own part only.
-"""
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", default="8,64")
@@ -179,14 +136,13 @@ def main() -> None:
     args = p.parse_args()
     t0 = time.perf_counter()
     res = compute([int(w) for w in args.worlds.split(",")])
-    seconds = time.perf_counter() - t0
-    out = Path(args.out)
-    (out / "figures").mkdir(parents=True, exist_ok=True)
-    (out / "figures" / "bench_checkpoint.json").write_text(json.dumps(res, indent=1))
-    (out / "checkpoint.md").write_text(DOC.format(n_params=res["n_params"], seconds=seconds,
-                                                  table=table(res), kinds=kinds_table(res)))
+    figures = Path(args.out) / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    (figures / "bench_checkpoint.json").write_text(json.dumps(res, indent=1))
     print(table(res))
     print(kinds_table(res))
+    print(f"{time.perf_counter() - t0:.0f} s")
+    doc_sections.update("bench_checkpoint", figures=figures)
 
 
 if __name__ == "__main__":

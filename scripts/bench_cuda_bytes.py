@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
+import doc_sections  # noqa: E402
 from bench_optim import build, fill_grads, write_results  # noqa: E402
 
 from scape_train.models import build_model  # noqa: E402
@@ -157,6 +158,7 @@ def main() -> None:
                 for n, r in rows.items() if f"{mode}, d={d}" in n), flush=True)
     res = {"params": params, "world": args.world, "rows": rows}
     write_results(args.docs, "bench_cuda_bytes", res, table(res))
+    doc_sections.update("bench_cuda_bytes", figures=args.docs)
 
 
 if __name__ == "__main__":

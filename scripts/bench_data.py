@@ -1,6 +1,6 @@
 """Loader throughput vs what the trainer consumes, for the default job (data=classics).
 
-    python scripts/bench_data.py [--batches 400] [--no-trainer] [--out docs/data_benchmark.md]
+    python scripts/bench_data.py [--batches 400] [--no-trainer] [--out outputs/bench_data.md]
 
 1. The loader alone: tokens/s of ``next(loader)`` (micro batch 8, seq 256, background worker on),
    after the first batch (the one-off BPE training/cache load is timed separately).
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--no-trainer", action="store_true")
     ap.add_argument("--trainer-timeout", type=int, default=900)
-    ap.add_argument("--out", default=str(REPO / "docs" / "data_benchmark.md"))
+    ap.add_argument("--out", default=str(REPO / "outputs" / "bench_data.md"))
     args = ap.parse_args()
 
     loader = bench_loader(args.batches, args.micro)

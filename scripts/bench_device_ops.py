@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host syncs and kernel launches per optimizer step, counted: dense vs SCAPE replicated vs sharded.
 
-    .venv/bin/python scripts/bench_device_ops.py [--world 8] [--steps 8] [--label after]
+    .venv/bin/python scripts/bench_device_ops.py [--world 8] [--steps 8]
 
 Counts are taken at the dispatcher by ``scape_train.profiling.DeviceOpCounter`` (what each count
 means is in its docstring) on real gloo ranks, over ``strategy.step`` with the gradients already
@@ -9,7 +9,7 @@ in place, averaged over steps 3..N (step 1 builds SCAPE's first mask synchronous
 first with a mask gathered during the previous step). The model has Llama-500M's structure (16
 blocks: the tensors, and so the segments every count depends on, of the paper's model) at width
 64, so 8 ranks fit on a laptop; the counts do not depend on the width. Written:
-``docs/figures/device_ops_<label>.json`` and the table ``docs/device_ops.md`` (all labels found).
+``docs/figures/bench_device_ops.json`` and its section of ``docs/gpu.md``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "scripts"))
 
+import doc_sections  # noqa: E402
 from _dist import run_distributed  # noqa: E402
 
 from scape_train.models import build_model  # noqa: E402
@@ -82,14 +84,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--label", default="after")
     ap.add_argument("--docs", default=str(REPO / "docs"))
     args = ap.parse_args()
     n_params = sum(p.numel() for p in build_model(MODEL, vocab_size=MODEL.vocab_size,
                                                   device=torch.device("meta")).parameters())
     n_tensors = len(list(build_model(MODEL, vocab_size=MODEL.vocab_size,
                                      device=torch.device("meta")).parameters()))
-    out = {"world": args.world, "steps": args.steps, "label": args.label, "model": MODEL.name,
+    out = {"world": args.world, "steps": args.steps, "model": MODEL.name,
            "tensors": n_tensors, "params": n_params, "results": {}}
     for name, kw in CONTENDERS.items():
         per_rank = run_distributed(_worker, args.world, (kw, args.steps))
@@ -109,32 +110,22 @@ def main() -> None:
               flush=True)
     figures = Path(args.docs) / "figures"
     figures.mkdir(parents=True, exist_ok=True)
-    (figures / f"device_ops_{args.label}.json").write_text(json.dumps(out, indent=1))
-    write_table(Path(args.docs))
+    (figures / "bench_device_ops.json").write_text(json.dumps(out, indent=1))
+    print(render(out))
+    doc_sections.update("bench_device_ops", figures=figures)
 
 
-def write_table(docs: Path) -> None:
-    runs = [json.loads(p.read_text()) for p in sorted((docs / "figures").glob("device_ops_*.json"))]
-    runs.sort(key=lambda r: r["label"] != "before")
-    lines = ["# Host syncs and kernel launches per optimizer step", "",
-             "Counted, not timed: `scripts/bench_device_ops.py` (see its docstring). Host syncs "
-             "are what the host must wait for on a GPU: reads (`.item()`, `.tolist()`), "
-             "data-dependent output sizes such as boolean indexing, blocking host->device copies "
-             "and tensors built from host data in the step (`h2d_copy`, `host_data`); launches "
-             "are computing ATen ops and Triton kernels. Steps 3..N, mean over ranks and steps; "
-             "the warm-up rows change density at every one of them.", ""]
-    for r in runs:
-        lines += [f"## {r['label']}: {r['world']} gloo ranks, {r['model']} ({r['tensors']} "
-                  f"tensors, {r['params']:,} parameters)", "",
-                  "| optimizer | host syncs / step | launches / step (optimizer) | "
-                  "launches fwd+bwd | sync sites / step |", "|---|---|---|---|---|"]
-        for name, res in r["results"].items():
-            sites = ", ".join(f"{k} {v:g}" for k, v in res["sync_sites_per_step"].items()) or "-"
-            lines.append(f"| {name} | {res['syncs']:g} | {res['launches']:.0f} | "
-                         f"{res['fwd_bwd_launches']:.0f} | {sites} |")
-        lines.append("")
-    (docs / "device_ops.md").write_text("\n".join(lines))
-
+def render(r: dict) -> str:
+    """The section of docs/gpu.md, from bench_device_ops.json."""
+    lines = [f"{r['world']} gloo ranks, {r['model']} ({r['tensors']} tensors, {r['params']:,} "
+             f"parameters); steps 3..{r['steps']}, mean over ranks and steps.", "",
+             "| optimizer | host syncs / step | launches / step (optimizer) | "
+             "launches fwd+bwd | sync sites / step |", "|---|---|---|---|---|"]
+    for name, res in r["results"].items():
+        sites = ", ".join(f"{k} {v:g}" for k, v in res["sync_sites_per_step"].items()) or "-"
+        lines.append(f"| {name} | {res['syncs']:g} | {res['launches']:.0f} | "
+                     f"{res['fwd_bwd_launches']:.0f} | {sites} |")
+    return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
     main()

@@ -38,6 +38,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+import doc_sections  # noqa: E402
 
 from scape_train.models import build_model  # noqa: E402
 from scape_train.models.config import ModelConfig  # noqa: E402
@@ -257,6 +259,7 @@ def main() -> None:
     res["steps"] = run(model, contenders, args.repeats, args.warmup)
     res["load_after"] = os.getloadavg()[0]
     write_results(args.docs, "bench_optim", res, table(res))
+    doc_sections.update("bench_optim", figures=args.docs)
 
 
 def write_results(docs: str, stem: str, res: dict, table_md: str) -> None:

@@ -3,8 +3,10 @@
 top-k AdamW at 99%, trained on identical tokens with N ranks on gloo (CPU).
 
 Every run is the real trainer under torchrun (``python -m torch.distributed.run -m scape_train``)
-with the same model, data, seed, batch and schedule; only the optimizer differs. Writes
-``docs/quality.md`` (table + the exact commands) and ``docs/figures/quality.png``.
+with the same model, data, seed, batch and schedule; only the optimizer differs, at one lr and
+one seed: a quick look. ``docs/quality.md`` reports the tuned, multi-seed comparison
+(``study_quality.py``). Writes ``--report`` (table + the exact commands) and a figure beside it,
+under ``outputs/bench_quality/`` by default.
 
     .venv/bin/python scripts/bench_quality.py                   # the documented settings
     .venv/bin/python scripts/bench_quality.py --steps 40 --only adams scape99   # a quick look
@@ -118,7 +120,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--only", nargs="*", default=list(RUNS))
     p.add_argument("--out-dir", default=str(REPO / "outputs" / "bench_quality"))
-    p.add_argument("--report", default=str(REPO / "docs" / "quality.md"))
+    p.add_argument("--report", default=str(REPO / "outputs" / "bench_quality" / "quality.md"))
     args = p.parse_args()
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import doc_sections  # noqa: E402
 from _netrun import REPO, RunResult, loadavg, run_cluster, run_independent, spread  # noqa: E402
 
 RANKS = 4
@@ -316,6 +317,7 @@ def report(db: dict, args: argparse.Namespace) -> None:
     figure(summ, docs / "bench_speed.png")
     print(table(summ))
     print(reps)
+    doc_sections.update("bench_speed", figures=docs)
 
 
 def main() -> None:

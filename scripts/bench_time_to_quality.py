@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import doc_sections  # noqa: E402
 from _netrun import REPO, loadavg, run_cluster  # noqa: E402
 
 MODEL = ["model=llama_tiny", "model.n_layers=2", "model.d_model=192", "model.n_heads=4",
@@ -70,6 +71,9 @@ def measure(args: argparse.Namespace) -> dict:
               f"train {c[-1][1] if c else 0:.0f}s load {res.load_before:.1f}->{res.load_after:.1f}",
               flush=True)
     return db
+
+
+EXTRA_TARGETS = (5.5, 5.25)     # looser validation-loss targets of the second table
 
 
 def summarise(db: dict, extra_targets: tuple[float, ...] = ()) -> dict:
@@ -146,7 +150,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--extra-targets", default="5.5,5.25",
+    p.add_argument("--extra-targets", default=",".join(map(str, EXTRA_TARGETS)),
                    help="more validation-loss targets for the secondary table")
     p.add_argument("--out", default=str(REPO / "outputs" / "bench_ttq"))
     p.add_argument("--docs", default=str(REPO / "docs" / "figures"))
@@ -164,6 +168,7 @@ def main() -> None:
     (docs / "bench_ttq_table.md").write_text(table(db, summ))
     figure(db, summ, docs / "bench_ttq.png")
     print(table(db, summ))
+    doc_sections.update("bench_ttq", figures=docs)
 
 
 if __name__ == "__main__":

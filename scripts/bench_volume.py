@@ -24,6 +24,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+import doc_sections  # noqa: E402
 
 from scape_train.models import build_model  # noqa: E402
 from scape_train.models.config import ModelConfig  # noqa: E402
@@ -147,6 +149,7 @@ def main() -> None:
     (docs / "bench_volume_summary.md").write_text(summary(rows))
     figure(rows, docs / "bench_volume.png")
     print(summary(rows))
+    doc_sections.update("bench_volume", figures=docs)
 
 
 if __name__ == "__main__":

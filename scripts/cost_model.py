@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+import doc_sections  # noqa: E402
 from bench_volume import meta_layout  # noqa: E402
 from scape_train.models import build_model  # noqa: E402
 from scape_train.optim.scape.accounting import dense_allreduce_bytes, scape_step_bytes  # noqa: E402
@@ -189,6 +190,7 @@ def main() -> None:
     (docs / "cost_model_table.md").write_text(text)
     figure(rows, docs / "cost_model.png")
     print(text)
+    doc_sections.update("cost_model", figures=docs)
 
 
 if __name__ == "__main__":
