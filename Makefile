@@ -30,7 +30,7 @@ test-fast:
 train:
 	$(VENV)/bin/python -m scape_train
 
-# Figures into docs/ (see docs/benchmarks.md). bench-cpu needs nothing special; bench-net needs
+# Figures into docs/ (see docs/performance.md). bench-cpu needs nothing special; bench-net needs
 # root with ip/tc (network namespaces) and takes about an hour on 2 cores.
 bench: bench-cpu bench-net
 

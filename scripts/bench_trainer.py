@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_trainer.py [--rounds 3] [--steps 20] [--threads 2] \
         [--docs docs/figures]
 
-One shape (issue 14): GPT, 6 layers, width 384, 6 heads, seq 256, batch 8, vocab 50304 rows
+One shape: GPT, 6 layers, width 384, 6 heads, seq 256, batch 8, vocab 50304 rows
 (GPT-2 BPE, 50257 tokens, padded), tied head, no biases, fp32, AdamW (clip 1.0), 2 CPU threads.
 Three contenders, each a fresh process per round, ALTERNATING round by round:
 

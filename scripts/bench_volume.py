@@ -7,7 +7,7 @@ Each model is built on the meta device from configs/model/*.yaml (no memory), an
 from ``scape_train.optim.scape.accounting`` -- the same partition map, per-segment k, mask codings,
 payload codec and collective formulas as the SCAPE engines, checked against the bytes real
 multi-rank steps count by tests/test_accounting.py and tests/test_wire_dist.py. Every row has a
-wire format: ``payload_dtype`` x ``mask_coding`` (fp32 + bitmap is the format before issue 12).
+wire format: ``payload_dtype`` x ``mask_coding`` (fp32 + bitmap is the spec's format: the mask as packed bits).
 The baselines are the ring all-reduce of the whole gradient (DDP) in fp32 and in bf16. Written:
 bench_volume_table.md (every row), bench_volume_summary.md (reductions by format),
 bench_volume.json, bench_volume.png.

@@ -84,8 +84,8 @@ def project(mfu: float) -> list[dict]:
                 t_dense = ring_time(dense_b, 2 * (n - 1), bps)
                 dense_step = compute + max(0.0, t_dense - BWD_FRACTION * compute) + opt_dense
                 for d in DENSITIES:
-                    # the wire format bench_speed measured (before issue 12's coded masks and
-                    # low-precision payloads; docs/benchmarks.md §3 has their bytes)
+                    # the spec's wire format (bitmap mask, fp32 payload); the coded masks' and
+                    # low-precision payloads' bytes: docs/performance.md, section 3
                     b = scape_step_bytes(layout, n, d, partitioner="flat", sharded=sharded,
                                          mask_coding="bitmap", payload_dtype="fp32")
                     exposed = ring_time(b.payload + b.norm, 2 * (n - 1), bps)

@@ -82,17 +82,19 @@ def render(section, root: Path = REPO) -> str:
 
 
 def update(*names: str, figures: Path | str = FIGURES) -> None:
-    """Re-render the named sections from the committed JSON. A script whose figures went to
-    another directory than docs/figures (``--docs <dir>``) leaves the pages alone."""
+    """Re-render the named sections, and every other section that reads one of their JSON files
+    (the README's figures), from the committed JSON. A script whose figures went to another
+    directory than docs/figures (``--docs <dir>``) leaves the pages alone."""
     if Path(figures).resolve() != FIGURES.resolve():
         print(f"figures written to {figures}, not docs/figures: sections {', '.join(names)} of the "
               "pages left as they are")
         return
-    from docs_registry import by_name
-    for name in names:
-        sec = by_name(name)
-        changed = write_section(REPO / sec.page, sec.name, render(sec))
-        print(f"{sec.page}: section {sec.name} {'rewritten' if changed else 'unchanged'}")
+    from docs_registry import SECTIONS, by_name
+    data = {rel for name in names for rel in by_name(name).data}
+    for sec in SECTIONS:
+        if sec.name in names or data & set(sec.data):
+            changed = write_section(REPO / sec.page, sec.name, render(sec))
+            print(f"{sec.page}: section {sec.name} {'rewritten' if changed else 'unchanged'}")
 
 
 def main(argv=None) -> int:

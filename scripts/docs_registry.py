@@ -98,6 +98,14 @@ SECTIONS: list[Section] = [
             (F + "bench_device_ops.json",), lambda r: _mod("bench_device_ops").render(r)),
     Section("bench_checkpoint", "docs/checkpoint.md", "scripts/bench_checkpoint.py",
             (F + "bench_checkpoint.json",), _checkpoint),
+    # the README's figures: re-rendered by `scripts/doc_sections.py` after any of these JSON change
+    Section("readme_headline", "README.md", "scripts/readme_figures.py",
+            (F + "bench_speed_summary.json", F + "bench_volume.json", F + "quality_study.json",
+             F + "scape99_search.json"), lambda *d: _mod("readme_figures").headline(*d)),
+    Section("readme_results", "README.md", "scripts/readme_figures.py",
+            (F + "bench_speed_summary.json", F + "bench_volume.json", F + "quality_study.json",
+             F + "scape99_search.json", F + "bench_cuda_bytes.json", F + "bench_device_ops.json",
+             F + "bench_checkpoint.json"), lambda *d: _mod("readme_figures").results(*d)),
 ]
 
 

@@ -1,4 +1,4 @@
-"""scripts/study_quality.py (issue 13's convergence study): a tiny real run through torchrun, the
+"""scripts/study_quality.py (the convergence study): a tiny real run through torchrun, the
 skip of finished runs, the paired-gap statistics, the report; and top-k's mask overlap metric."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ without any exchange, the shard of the all-gather is the largest owner's coded s
 is read back from the device. A coding whose size depends on the data (the change from the
 previous mask, varints) would need its sizes exchanged and read on the host before an
 equal-size all-gather could be allocated -- a host sync per step and the loss of the gather's
-overlap -- see docs/benchmarks.md §3 for why it is not used.
+overlap -- see docs/wire_format.md ("The change from the previous mask") for why it is not used.
 """
 
 from __future__ import annotations

@@ -1,0 +1,89 @@
+"""The README's figures, rendered from the benchmarks' committed JSON (pure: JSON in, markdown
+out). ``scripts/doc_sections.py`` writes them into the README's ``readme_headline`` and
+``readme_results`` sections; the scripts that measure write the JSON (``docs_registry.py``).
+"""
+
+from __future__ import annotations
+
+RECOMMENDED = "s99_fp8_d10_now"      # the SCAPE-99 search's recommended setting
+BASELINE = "adams"
+
+
+def speedups(speed: dict) -> dict[str, float]:
+    """SCAPE-99's step-time speed-up over dense AdamS per link rate, from bench_speed_summary."""
+    def step(key: str) -> float:
+        return speed[key]["step"]["median"]
+    return {rate: step(f"{rate}/adams") / step(f"{rate}/scape99")
+            for rate in ("1gbit", "100mbit") if f"{rate}/scape99" in speed}
+
+
+def volume(rows: list, payload: str) -> float:
+    """The 99% reduction vs dense fp32 of Llama-500M on 8 ranks, replicated with flat owners."""
+    return next(r["reduction"] for r in rows
+                if r["model"] == "Llama-500M" and r["world"] == 8 and r["sparsity"] == "99%"
+                and r["mode"] == "replicated/flat" and r["mask_coding"] == "auto"
+                and r["payload_dtype"] == payload)
+
+
+def gap(study: dict, opt: str, steps: int) -> dict:
+    return study["summary"]["gaps"][opt][str(steps)]
+
+
+def recommended(search: dict) -> tuple[dict, float]:
+    """The recommended setting's row and the fraction of dense AdamS's bytes it sends."""
+    rows = {r["candidate"]: r for r in search["summary"]["rows"]}
+    row = rows[RECOMMENDED]
+    return row, rows[BASELINE]["sent_bytes"] / row["sent_bytes"]
+
+
+def headline(speed: dict, vol: list, study: dict, search: dict) -> str:
+    s = speedups(speed)
+    row, frac = recommended(search)
+    p = row["paired"]
+    return "\n".join([
+        f"- **{s['1gbit']:.2f}x faster steps than dense AdamS at 1 Gbit/s, {s['100mbit']:.2f}x at "
+        "100 Mbit/s** (SCAPE-99, 4 bandwidth-shaped ranks on CPU; "
+        "[docs/performance.md](docs/performance.md))",
+        f"- **{volume(vol, 'fp8_e4m3'):.1f}x fewer bytes per step than a dense fp32 all-reduce** "
+        "at 99% sparsity with an fp8 payload (Llama-500M, 8 ranks, exact; "
+        "[docs/wire_format.md](docs/wire_format.md))",
+        f"- **Dense AdamS's quality at 1/{frac:.0f} of its bytes**: SCAPE with a 0.1-dense mask "
+        f"and an fp8 payload, {p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] over {p['n']} "
+        "paired seeds on a 0.9M-parameter model ([docs/quality.md](docs/quality.md))",
+    ]) + "\n"
+
+
+def results(speed: dict, vol: list, study: dict, search: dict, cuda: dict, ops: dict,
+            ckpt: dict) -> str:
+    s = speedups(speed)
+    g90, g99 = gap(study, "scape90", 3000), gap(study, "scape99", 3000)
+    row, frac = recommended(search)
+    p = row["paired"]
+    b = cuda["rows"]
+    syncs = max(r["syncs"] for r in ops["results"].values())
+    big = next(r for r in ckpt["rows"] if r["strategy"].startswith("SCAPE sharded")
+               and r["world"] == max(x["world"] for x in ckpt["rows"]))
+    lines = [
+        "| what | measured | details |", "|---|---|---|",
+        f"| step time, SCAPE-99 vs dense AdamS, 4 ranks | {s['1gbit']:.2f}x at 1 Gbit/s, "
+        f"{s['100mbit']:.2f}x at 100 Mbit/s | [performance.md](docs/performance.md) |",
+        f"| bytes per step at 99%, Llama-500M, 8 ranks, vs dense fp32 | {volume(vol, 'fp32'):.1f}x "
+        f"(fp32 payload), {volume(vol, 'bf16'):.1f}x (bf16), {volume(vol, 'fp8_e4m3'):.1f}x (fp8) "
+        "| [wire_format.md](docs/wire_format.md) |",
+        f"| final loss gap to dense AdamS, 3000 steps, {g90['n']} seeds | SCAPE-90 "
+        f"{g90['mean']:+.3f}, SCAPE-99 {g99['mean']:+.3f} | [quality.md](docs/quality.md) |",
+        f"| the same at SCAPE-99's bytes: d 0.1, fp8 payload, no warm-up | {p['mean']:+.3f} "
+        f"[{p['lo']:+.3f}, {p['hi']:+.3f}], 1/{frac:.0f} of dense AdamS's bytes | "
+        "[quality.md](docs/quality.md) |",
+        f"| bytes moved per parameter by the optimizer step (CUDA path, Triton, d 0.1) | "
+        f"{b['CUDA path, Triton, replicated, d=0.1']['bytes_per_param']:.1f} (dense AdamS "
+        f"{b['dense AdamS + clip']['bytes_per_param']:.0f}) | "
+        "[performance.md](docs/performance.md) |",
+        f"| host syncs per optimizer step, every optimizer, {ops['world']} ranks | {syncs:g} | "
+        "[gpu.md](docs/gpu.md) |",
+        f"| checkpoint of Llama-1.8B, SCAPE sharded, {big['world']} ranks | "
+        f"{big['after']['total_bytes'] / 1e9:.1f} GB in all, "
+        f"{big['after']['max_rank_bytes'] / 1e9:.2f} GB at most per rank | "
+        "[checkpoint.md](docs/checkpoint.md) |",
+    ]
+    return "\n".join(lines) + "\n"
