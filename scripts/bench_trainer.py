@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import doc_sections  # noqa: E402
+
 GPT2_BPE = REPO.parent / "shared" / "data" / "tokenizers" / "gpt2"
 SHAPE = dict(n_layers=6, d_model=384, n_heads=6, seq=256, batch=8, vocab=50304, tokens=50257)
 
@@ -175,6 +178,36 @@ def run_worker(kind: str, steps: int, skip: int, threads: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+RATIOS = {"trainer/minimal": "trainer / minimal GPT loop",
+          "trainer/bare": "trainer / bare loop over our model",
+          "bare/minimal": "bare loop / minimal GPT loop"}
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def ratio_table(out: dict) -> str:
+    """The tokens/s ratios, median (min-max) over rounds (docs/performance.md's section)."""
+    lines = ["| ratio (tokens/s) | median (min-max) over rounds |", "|---|---|"]
+    lines += [f"| {label} | {_spread(out['ratios'][key])} |" for key, label in RATIOS.items()]
+    return "\n".join(lines)
+
+
+def table(out: dict) -> str:
+    """Every contender's tokens/s and step time, then the ratios, from bench_trainer.json."""
+    rounds, shape = out["rounds"], out["shape"]
+    tokens = shape["batch"] * shape["seq"]
+    lines = [f"Shape: {shape}, fp32, AdamW + clip, {out['threads']} threads, {out['steps']} steps "
+             f"per contender per round, {len(rounds)} alternating rounds; load {out['load'][0]:.2f} "
+             f"-> {out['load'][1]:.2f} (1-min avg, {out['cpus']} CPUs).", "",
+             "| contender | tokens/s (median of rounds) | step s |", "|---|---|---|"]
+    for kind in ("minimal", "bare", "trainer"):
+        st = [rd[kind]["step_s"] for rd in rounds]
+        lines.append(f"| {kind} | {tokens / statistics.median(st):.0f} | {_spread(st)} |")
+    return "\n".join(lines + ["", ratio_table(out)])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
@@ -201,35 +234,19 @@ def main() -> None:
             print(f"round {r}: {kind:8s} {res[kind]['step_s']:.3f} s/step", flush=True)
         rounds.append(res)
     load1 = os.getloadavg()[0]
-    tokens = SHAPE["batch"] * SHAPE["seq"]
 
     def ratios(num: str, den: str) -> list[float]:
         return [rd[den]["step_s"] / rd[num]["step_s"] for rd in rounds]   # tokens/s ratio
 
-    def spread(xs: list[float]) -> str:
-        return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
-
     out = {"shape": SHAPE, "threads": a.threads, "steps": a.steps, "load": [load0, load1],
-           "rounds": rounds}
-    lines = [f"Shape: {SHAPE}, fp32, AdamW + clip, {a.threads} threads, {a.steps} steps per "
-             f"contender per round, {a.rounds} alternating rounds; load {load0:.2f} -> "
-             f"{load1:.2f} (1-min avg, {os.cpu_count()} CPUs).", "",
-             "| contender | tokens/s (median of rounds) | step s |", "|---|---|---|"]
-    for kind in ("minimal", "bare", "trainer"):
-        st = [rd[kind]["step_s"] for rd in rounds]
-        lines.append(f"| {kind} | {tokens / statistics.median(st):.0f} | {spread(st)} |")
-    lines += ["", "| ratio (tokens/s) | median (min-max) over rounds |", "|---|---|",
-              f"| trainer / minimal GPT loop | {spread(ratios('trainer', 'minimal'))} |",
-              f"| trainer / bare loop over our model | {spread(ratios('trainer', 'bare'))} |",
-              f"| bare loop / minimal GPT loop | {spread(ratios('bare', 'minimal'))} |"]
-    out["ratios"] = {k: ratios(*k.split("/")) for k in ("trainer/minimal", "trainer/bare",
-                                                          "bare/minimal")}
-    table = "\n".join(lines)
-    print(table)
+           "cpus": os.cpu_count(), "rounds": rounds,
+           "ratios": {k: ratios(*k.split("/")) for k in RATIOS}}
+    print(table(out))
     docs = Path(a.docs)
     docs.mkdir(parents=True, exist_ok=True)
     (docs / "bench_trainer.json").write_text(json.dumps(out, indent=1))
-    (docs / "bench_trainer_table.md").write_text(table + "\n")
+    (docs / "bench_trainer_table.md").write_text(table(out) + "\n")
+    doc_sections.update("bench_trainer", figures=docs)
     assert all(math.isfinite(x) for v in out["ratios"].values() for x in v)
 
 

@@ -94,6 +94,8 @@ SECTIONS: list[Section] = [
             (F + "bench_compile.json",), lambda r: _mod("bench_compile").render(r)),
     Section("cost_model", "docs/performance.md", "scripts/cost_model.py",
             (F + "cost_model.json",), _cost),
+    Section("bench_trainer", "docs/performance.md", "scripts/bench_trainer.py",
+            (F + "bench_trainer.json",), lambda r: _mod("bench_trainer").ratio_table(r)),
     Section("bench_device_ops", "docs/gpu.md", "scripts/bench_device_ops.py",
             (F + "bench_device_ops.json",), lambda r: _mod("bench_device_ops").render(r)),
     Section("bench_checkpoint", "docs/checkpoint.md", "scripts/bench_checkpoint.py",
