@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import doc_sections  # noqa: E402
 
 # ~0.7M parameters (2.7 MB per exchange): an exchange over the slow link costs about as much as
 # several inner steps, which is the regime the comparison is about.
@@ -115,6 +117,7 @@ def main() -> None:
                      ("results.json", "bench_gasloc_results.json")):
         shutil.copyfile(out / src, docs / dst)
     print(f"copied to {docs}: bench_gasloc.png, bench_gasloc_table.md, bench_gasloc_results.json")
+    doc_sections.update("bench_gasloc", figures=docs)
 
 
 def markdown(results: dict, args) -> str:

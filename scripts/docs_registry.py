@@ -66,6 +66,11 @@ def _cost(rows: list) -> str:
                                      and r["model"].startswith("Llama")])
 
 
+def _gasloc(results: dict) -> str:
+    from types import SimpleNamespace
+    return _mod("bench_gasloc").markdown(results, SimpleNamespace(**results["args"]))
+
+
 def _checkpoint(res: dict) -> str:
     b = _mod("bench_checkpoint")
     return b.table(res) + "\nWhere the bytes are (all ranks together):\n\n" + b.kinds_table(res)
@@ -100,6 +105,8 @@ SECTIONS: list[Section] = [
             (F + "bench_device_ops.json",), lambda r: _mod("bench_device_ops").render(r)),
     Section("bench_checkpoint", "docs/checkpoint.md", "scripts/bench_checkpoint.py",
             (F + "bench_checkpoint.json",), _checkpoint),
+    Section("bench_gasloc", "docs/gasloc.md", "scripts/bench_gasloc.py",
+            (F + "bench_gasloc_results.json",), _gasloc),
     # the README's figures: re-rendered by `scripts/doc_sections.py` after any of these JSON change
     Section("readme_headline", "README.md", "scripts/readme_figures.py",
             (F + "bench_speed_summary.json", F + "bench_volume.json", F + "quality_study.json",
