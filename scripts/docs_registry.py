@@ -76,45 +76,47 @@ def _checkpoint(res: dict) -> str:
     return b.table(res) + "\nWhere the bytes are (all ranks together):\n\n" + b.kinds_table(res)
 
 
+def _call(module: str, fn: str) -> Callable[..., str]:
+    return lambda *data: getattr(_mod(module), fn)(*data)
+
+
+def _page(name: str, page: str, module: str, data: str, render: Callable[..., str] | None = None,
+          fn: str = "table") -> Section:
+    """A section of docs/<page> that scripts/<module>.py renders from docs/figures/<data>, with
+    the module's ``fn`` unless ``render`` adapts the JSON first."""
+    return Section(name, f"docs/{page}", f"scripts/{module}.py", (F + data,),
+                   render or _call(module, fn))
+
+
 SECTIONS: list[Section] = [
-    Section("study_quality", "docs/quality.md", "scripts/study_quality.py",
-            (F + "quality_study.json",), _study_quality),
-    Section("study_scape99", "docs/quality.md", "scripts/study_scape99.py",
-            (F + "scape99_search.json",), _scape99("summary", "render")),
-    Section("study_frontier", "docs/quality.md", "scripts/study_scape99.py",
-            (F + "scape99_search.json",), _scape99("frontier", "render_frontier")),
-    Section("study_scale", "docs/quality.md", "scripts/study_scape99.py",
-            (F + "scape99_search.json",), _scape99("scale", "render_scale")),
-    Section("bench_speed", "docs/performance.md", "scripts/bench_speed.py",
-            (F + "bench_speed_summary.json",), lambda s: _mod("bench_speed").table(s)),
-    Section("bench_ttq", "docs/performance.md", "scripts/bench_time_to_quality.py",
-            (F + "bench_ttq_results.json",), _ttq),
-    Section("bench_volume", "docs/performance.md", "scripts/bench_volume.py",
-            (F + "bench_volume.json",), _volume),
-    Section("bench_optim", "docs/performance.md", "scripts/bench_optim.py",
-            (F + "bench_optim.json",), lambda r: _mod("bench_optim").table(r)),
-    Section("bench_cuda_bytes", "docs/performance.md", "scripts/bench_cuda_bytes.py",
-            (F + "bench_cuda_bytes.json",), lambda r: _mod("bench_cuda_bytes").table(r)),
-    Section("bench_compile", "docs/performance.md", "scripts/bench_compile.py",
-            (F + "bench_compile.json",), lambda r: _mod("bench_compile").render(r)),
-    Section("cost_model", "docs/performance.md", "scripts/cost_model.py",
-            (F + "cost_model.json",), _cost),
-    Section("bench_trainer", "docs/performance.md", "scripts/bench_trainer.py",
-            (F + "bench_trainer.json",), lambda r: _mod("bench_trainer").ratio_table(r)),
-    Section("bench_device_ops", "docs/gpu.md", "scripts/bench_device_ops.py",
-            (F + "bench_device_ops.json",), lambda r: _mod("bench_device_ops").render(r)),
-    Section("bench_checkpoint", "docs/checkpoint.md", "scripts/bench_checkpoint.py",
-            (F + "bench_checkpoint.json",), _checkpoint),
-    Section("bench_gasloc", "docs/gasloc.md", "scripts/bench_gasloc.py",
-            (F + "bench_gasloc_results.json",), _gasloc),
+    _page("study_quality", "quality.md", "study_quality", "quality_study.json", _study_quality),
+    _page("study_scape99", "quality.md", "study_scape99", "scape99_search.json",
+          _scape99("summary", "render")),
+    _page("study_frontier", "quality.md", "study_scape99", "scape99_search.json",
+          _scape99("frontier", "render_frontier")),
+    _page("study_scale", "quality.md", "study_scape99", "scape99_search.json",
+          _scape99("scale", "render_scale")),
+    _page("bench_speed", "performance.md", "bench_speed", "bench_speed_summary.json"),
+    _page("bench_ttq", "performance.md", "bench_time_to_quality", "bench_ttq_results.json", _ttq),
+    _page("bench_volume", "performance.md", "bench_volume", "bench_volume.json", _volume),
+    _page("bench_optim", "performance.md", "bench_optim", "bench_optim.json"),
+    _page("bench_cuda_bytes", "performance.md", "bench_cuda_bytes", "bench_cuda_bytes.json"),
+    _page("bench_compile", "performance.md", "bench_compile", "bench_compile.json", fn="render"),
+    _page("cost_model", "performance.md", "cost_model", "cost_model.json", _cost),
+    _page("bench_trainer", "performance.md", "bench_trainer", "bench_trainer.json",
+          fn="ratio_table"),
+    _page("bench_device_ops", "gpu.md", "bench_device_ops", "bench_device_ops.json", fn="render"),
+    _page("bench_checkpoint", "checkpoint.md", "bench_checkpoint", "bench_checkpoint.json",
+          _checkpoint),
+    _page("bench_gasloc", "gasloc.md", "bench_gasloc", "bench_gasloc_results.json", _gasloc),
     # the README's figures: re-rendered by `scripts/doc_sections.py` after any of these JSON change
     Section("readme_headline", "README.md", "scripts/readme_figures.py",
             (F + "bench_speed_summary.json", F + "bench_volume.json", F + "quality_study.json",
-             F + "scape99_search.json"), lambda *d: _mod("readme_figures").headline(*d)),
+             F + "scape99_search.json"), _call("readme_figures", "headline")),
     Section("readme_results", "README.md", "scripts/readme_figures.py",
             (F + "bench_speed_summary.json", F + "bench_volume.json", F + "quality_study.json",
              F + "scape99_search.json", F + "bench_cuda_bytes.json", F + "bench_device_ops.json",
-             F + "bench_checkpoint.json"), lambda *d: _mod("readme_figures").results(*d)),
+             F + "bench_checkpoint.json"), _call("readme_figures", "results")),
 ]
 
 
