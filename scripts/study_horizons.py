@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import json
 import math
 import os
@@ -144,10 +143,13 @@ def plan(results: dict, p: Plan) -> list[tuple[HRun, bool]]:
     return out
 
 
-# Seconds per step of each family at 4 ranks on the 2-core machine with the study's overrides
-# (measured: docs/figures/study_speed.json), and each run's start and end.
-STEP_S = {"dense": 0.082, "scape": 0.090, "local": 0.075}
-STARTUP_S = 14.0
+# Seconds a run costs on the 2-core machine, 4 ranks, nothing else running: a 3000-step dense
+# AdamS run of the study took 335 s (0.11 s per step once started), SCAPE ~3% more per step.
+# Each run's start and end (5 processes importing torch on 2 cores, the DDP start-up check, the
+# final checkpoint and loss plot) took 45-55 s with other work loading the machine (load 10-14),
+# where a step took 0.14-0.19 s.
+STEP_S = {"dense": 0.11, "scape": 0.115, "local": 0.11}
+STARTUP_S = 50.0
 
 
 def _family(setting: str) -> str:
@@ -239,7 +241,7 @@ def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> di
                           math.isclose(best, min(grid)) or math.isclose(best, max(grid)))}
     gaps = {}
     for name in p.settings:
-        lr, base_lr = tune[name]["best"], tune[BASELINE]["best"]
+        lr, base_lr = tune[name]["best"], tune.get(BASELINE, {}).get("best")
         if name == BASELINE or lr is None or base_lr is None:
             continue
         per = {}
@@ -434,13 +436,8 @@ def main(argv=None) -> int:
             state = "done" if r.id(p.shape) in results else ("ready" if ok else "waits for tuning")
             print(f"  [{r.stage:8s}] {r.id(p.shape):40s} {state:17s} ~{estimate_s(r) / 60:.0f} min")
         return 0
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(runs_dir / ".lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"another study_horizons.py is running on {runs_dir}; exiting", file=sys.stderr)
-        lock.close()
+    lock = sq.study_lock(runs_dir, "study_horizons.py")
+    if lock is None:
         return 1
     params = study_params(p.shape)
     with lock:
@@ -464,8 +461,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except sq.MixedCommitsError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sq.cli(main)

@@ -21,7 +21,6 @@ dense AdamS) on seeds 0..N-1 for paired gaps with 95% t-intervals. Finished runs
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import shlex
@@ -596,12 +595,8 @@ def main(argv=None) -> int:
         print(f"planned: {run_id(c, k, a.steps, a.shape)}  {' '.join(c.overrides(a.steps))}")
     if a.dry_run:
         return 0
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(runs_dir / ".lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"another study_scape99.py is running on {runs_dir}", file=sys.stderr)
+    lock = sq.study_lock(runs_dir, "study_scape99.py")
+    if lock is None:
         return 1
     with lock:
         for c, k in ([] if a.report_only else todo):
@@ -613,8 +608,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except sq.MixedCommitsError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sq.cli(main)

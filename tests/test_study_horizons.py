@@ -18,7 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import study_horizons as sh  # noqa: E402
-import study_quality as sq  # noqa: E402
+
+sq = sh.sq     # the study's own module (another test file may load its own copy)
 
 COMMIT = "0123abc"
 PARAMS, TOKENS = 1_000_000, 1000       # 1 token per parameter per 1000 steps
@@ -121,6 +122,12 @@ def test_no_trend_is_read_from_two_horizons_or_a_closed_gap():
     assert not s["fit"]["ok"] and "not positive at 30 tokens/param" in s["fit"]["why"]
     assert "No power law is fitted to SCAPE-99's gap: the gap is not positive" in \
         sh.render_horizons(s, "figures")
+
+
+def test_a_summary_before_any_run_or_without_the_baseline_says_so():
+    s = sh.horizon_summary({}, PARAMS, TOKENS, sh.Plan(settings=("scape99",)))
+    assert s["gaps"] == {} and not s["fit"]["ok"] and s["frontier"] == []
+    assert "not run" in sh.render_horizons(s, "figures")
 
 
 def test_pairing_across_commits_is_refused_in_the_horizon_summary():

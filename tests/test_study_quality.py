@@ -189,13 +189,14 @@ def test_runs_without_a_commit_take_the_one_their_json_names(tmp_path):
     assert runs[run["id"]]["commit"] == "def5678" and runs["r2"]["commit"] == "9999999"
 
 
-def test_code_state_names_the_worktree_commit():
+def test_code_state_names_the_commit_of_the_code():
     import subprocess
 
     state = sq.code_state()
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    assert state["commit"] == head and isinstance(state["dirty"], bool)
+    code = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%H", "HEAD", "--",
+                           "scape_train", "scripts", "configs", "pyproject.toml"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert len(code) == 40 and state["commit"] == code and isinstance(state["dirty"], bool)
 
 
 def test_report_without_data_says_not_run(tmp_path):

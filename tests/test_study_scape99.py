@@ -107,10 +107,10 @@ def test_every_setting_the_search_ran_is_on_the_frontier_with_its_bytes_per_step
 
 
 def test_the_frontier_refuses_to_pair_runs_of_different_commits():
-    import study_quality as sq
     import pytest
 
     other = _run("s99_fp8_d10_now", 1, 3.84, 570, commit="fedcba9")
     results = {**RESULTS, other["id"]: other}
-    with pytest.raises(sq.MixedCommitsError, match="fedcba9: s99_fp8_d10_now_lr0.002_s1_h3000"):
+    with pytest.raises(s99.sq.MixedCommitsError,
+                       match="fedcba9: s99_fp8_d10_now_lr0.002_s1_h3000"):
         s99.frontier(results)
