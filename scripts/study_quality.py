@@ -65,7 +65,7 @@ SHAPES = {
     "tiny": ["model=llama_tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
              "model.n_kv_heads=1", "model.ffn_dim=64", "model.max_seq_len=32", "data.seq_len=32",
              "data.tokenizer.vocab_size=1024", "data.tokenizer.train_max_bytes=2000000",
-             "data.val_tokens=512", "trainer.micro_batch_size=2", "trainer.num_threads=1"],
+             "data.val_tokens=512", "trainer.micro_batch_size=2"],
 }
 
 
@@ -145,15 +145,19 @@ class Settings:
 # ------------------------------------------------------------------------------ the runs
 
 
-def common_overrides(steps: int, lr: float, seed: int, shape: str) -> list[str]:
+def common_overrides(steps: int, lr: float, seed: int, shape: str,
+                     checkpoint_every: int = 0) -> list[str]:
     """Every study run's trainer overrides: the lr schedule and evaluations are fractions of the
-    run (10%); the seed sets init and data order (a shuffled stream)."""
+    run (10%); the seed sets init and data order (a shuffled stream); checkpoints only at the
+    end unless ``checkpoint_every``. One torch thread per rank (the ranks share 2 cores: 2
+    threads each made a step 1.7x slower) and no sample at the end: neither changes a loss."""
     tenth = max(1, steps // 10)
     return [*SHAPES[shape], "data=classics", "data.shuffle_buffer=64",
             f"data.seed={1000 + seed}", f"trainer.seed={1000 + seed}",
             f"trainer.max_steps={steps}", f"trainer.warmup_steps={tenth}",
             f"trainer.eval_every={tenth}", f"trainer.log_every={max(1, steps // 50)}",
-            "trainer.checkpoint_every=0", f"optimizer.lr={lr:g}", f"optimizer.min_lr={lr / 10:g}",
+            f"trainer.checkpoint_every={checkpoint_every}", "trainer.num_threads=1",
+            "trainer.sample_tokens=0", f"optimizer.lr={lr:g}", f"optimizer.min_lr={lr / 10:g}",
             "logging.wandb.mode=disabled", "logging.progress_bar=false"]
 
 
@@ -173,14 +177,37 @@ def command(run: Run, s: Settings, run_dir: Path) -> list[str]:
             f"run_dir={run_dir}", f"run_name=study_{run.id}"]
 
 
+# Every study run's environment: one thread per rank (ranks share the machine's cores), nothing
+# fetched from a hub, no W&B.
+TRAINER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "WANDB_MODE": "disabled"}
+
+# The paths whose content is the code a run executes: a change elsewhere (the study's own JSON
+# and pages under docs/, run outputs) leaves a run's code clean.
+CODE_PATHS = ("scape_train", "scripts", "configs", "pyproject.toml")
+
+
+def code_state(repo: Path = REPO) -> dict[str, Any]:
+    """The code's commit in ``repo`` (the worktree the runs execute from): the last commit that
+    changed :data:`CODE_PATHS`, so that committing results there leaves it (and the runs' pairing
+    and resumption) unchanged; and whether the code differs from it (tracked changes or new
+    files under those paths)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+    return {"commit": git("log", "-1", "--format=%H", "HEAD", "--", *CODE_PATHS),
+            "dirty": bool(git("status", "--porcelain", "--", *CODE_PATHS))}
+
+
 def series(rows: list[dict], key: str) -> list[list[float]]:
     return [[r["step"], r[key]] for r in rows if key in r]
 
 
-def collect(run: Run, run_dir: Path, wall_s: float, cmd: list[str], diverged: bool = False
-            ) -> dict[str, Any]:
-    """The run's record. A diverged run (non-finite loss: the trainer stops) is a result too,
-    with ``final_val_loss`` None: the sweep ranks it last, the statistics leave it out."""
+def collect(run: Run, run_dir: Path, wall_s: float, cmd: list[str], diverged: bool = False,
+            code: dict | None = None) -> dict[str, Any]:
+    """The run's record, with ``code`` (:func:`code_state` when it started). A diverged run
+    (non-finite loss: the trainer stops) is a result too, with ``final_val_loss`` None: the
+    sweep ranks it last, the statistics leave it out."""
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] \
         if metrics.exists() else []
@@ -203,6 +230,7 @@ def collect(run: Run, run_dir: Path, wall_s: float, cmd: list[str], diverged: bo
         "wall_s": round(wall_s, 2),
         "command": shlex.join(cmd).replace(str(REPO) + "/", ""),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **(code or code_state()),
     }
 
 
@@ -210,6 +238,29 @@ def run_sent_bytes(rows: list[dict]) -> int | None:
     """Data bytes rank 0 sent over the whole run (the trainer's ``comm/total_sent_bytes``)."""
     totals = [r["comm/total_sent_bytes"] for r in rows if "comm/total_sent_bytes" in r]
     return int(totals[-1]) if totals else None
+
+
+def study_lock(runs_dir: Path, script: str):
+    """The study directory's lock, held open (one invocation at a time per directory); None,
+    said on stderr, while another invocation holds it."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(runs_dir / ".lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"another {script} is running on {runs_dir}; exiting", file=sys.stderr)
+        lock.close()
+        return None
+    return lock
+
+
+def cli(main: Callable[[], int]) -> None:
+    """Exit with ``main()``'s status; a refused pairing is an error message, status 2."""
+    try:
+        sys.exit(main())
+    except MixedCommitsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -226,20 +277,38 @@ def load_results(runs_dir: Path) -> dict[str, dict]:
     return out
 
 
-def run_trainer(cmd: list[str], run_dir: Path, run_id: str, log=print) -> tuple[float, bool]:
+def json_runs(json_path: Path, unrecorded_commit: str | None = None) -> dict[str, dict]:
+    """The runs a study's JSON holds (so a report renders from the JSON alone). A run that
+    records no commit takes the one the JSON says its runs came from (its ``code_commit``, or
+    ``unrecorded_commit``), marked ``commit_source: json``; without either it stays without one,
+    and pairing it is refused."""
+    if not json_path.exists():
+        return {}
+    data = json.loads(json_path.read_text())
+    known = unrecorded_commit or data.get("code_commit")
+    out = {}
+    for r in data.get("runs", []):
+        if r.get("commit") is None and known:
+            r = {**r, "commit": known, "dirty": False, "commit_source": "json"}
+        out[r["id"]] = r
+    return out
+
+
+def run_trainer(cmd: list[str], run_dir: Path, run_id: str, log=print, resume: bool = False
+                ) -> tuple[float, bool]:
     """Run one training command into ``run_dir`` (its log: ``train.log``): (wall seconds,
-    diverged). An unfinished earlier attempt is started again; a failure other than a
-    non-finite loss raises with the log's end."""
-    if run_dir.exists():
+    diverged). An unfinished earlier attempt is started again, or with ``resume`` (the command
+    carries ``resume=auto`` and checkpoints) continued from its last checkpoint, its log
+    appended to; a failure other than a non-finite loss raises with the log's end."""
+    if run_dir.exists() and not resume:
         shutil.rmtree(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "WANDB_MODE": "disabled",
+    env = {**os.environ, **TRAINER_ENV,
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     log(f"== {run_id}: {shlex.join(cmd)}")
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with open(run_dir / "train.log", "w") as out:
+    with open(run_dir / "train.log", "a" if resume else "w") as out:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - start
     text = (run_dir / "train.log").read_text()
@@ -254,8 +323,9 @@ def run_trainer(cmd: list[str], run_dir: Path, run_id: str, log=print) -> tuple[
 def execute(run: Run, s: Settings, runs_dir: Path, keep_checkpoints: bool, log=print) -> dict:
     run_dir = runs_dir / run.id
     cmd = command(run, s, run_dir / "train")
+    code = code_state()
     wall, diverged = run_trainer(cmd, run_dir, f"{run.stage} {run.id}", log)
-    result = collect(run, run_dir / "train", wall, cmd, diverged)
+    result = collect(run, run_dir / "train", wall, cmd, diverged, code)
     if not keep_checkpoints:
         shutil.rmtree(run_dir / "train" / "checkpoints", ignore_errors=True)
     write_atomic(run_dir / "result.json", json.dumps(result, indent=1))
@@ -443,10 +513,62 @@ def paired_gap(a: dict[int, float], b: dict[int, float]) -> dict[str, Any] | Non
             "diffs": d}
 
 
+class MixedCommitsError(ValueError):
+    """Runs to be paired did not all run the same code."""
+
+
+def run_commit(r: dict) -> str | None:
+    """The code a run executed: its commit, ``+dirty`` when the code differed from it; None when
+    the run records none."""
+    c = r.get("commit")
+    return None if c is None else c + ("+dirty" if r.get("dirty") else "")
+
+
+def one_commit(runs: list[dict], what: str) -> str:
+    """The one commit of ``runs``; raises :class:`MixedCommitsError` naming every run and its
+    commit when they differ or some run records none."""
+    commits = {r["id"]: run_commit(r) for r in runs}
+    missing = sorted(i for i, c in commits.items() if c is None)
+    if missing:
+        raise MixedCommitsError(
+            f"{what}: cannot pair runs that record no commit: {', '.join(missing)}. If the "
+            "commit their code ran at is known, record it as the JSON's code_commit "
+            "(--unrecorded-commit COMMIT); else rerun them")
+    if len(set(commits.values())) > 1:
+        by = {}
+        for i, c in sorted(commits.items()):
+            by.setdefault(c, []).append(i)
+        raise MixedCommitsError(
+            f"{what}: refusing to pair runs of different commits: "
+            + "; ".join(f"{c}: {', '.join(ids)}" for c, ids in by.items())
+            + ". Rerun the runs of the older commit at the newer one (same command)")
+    return next(iter(commits.values()))
+
+
+def paired(a: list[dict], b: list[dict], what: str, seeds=None) -> dict[str, Any] | None:
+    """:func:`paired_gap` of the final validation losses of runs ``a`` against ``b`` (seed by
+    seed, optionally only ``seeds``), refusing (:class:`MixedCommitsError`) runs of different
+    commits among the pairs; the gap records their commit."""
+    fa = {r["seed"]: r for r in a if r["final_val_loss"] is not None}
+    fb = {r["seed"]: r for r in b if r["final_val_loss"] is not None}
+    both = sorted(set(fa) & set(fb) & (set(seeds) if seeds is not None else set(fa)))
+    if not both:
+        return None
+    commit = one_commit([fa[k] for k in both] + [fb[k] for k in both], what)
+    g = paired_gap({k: fa[k]["final_val_loss"] for k in both},
+                   {k: fb[k]["final_val_loss"] for k in both})
+    return {**g, "commit": commit}
+
+
 def finals(results, opt: str, steps: int, lr: float | None) -> dict[int, float]:
-    return {r["seed"]: r["final_val_loss"] for r in results.values()
+    return {r["seed"]: r["final_val_loss"] for r in finished(results, opt, steps, lr)}
+
+
+def finished(results, opt: str, steps: int, lr: float | None) -> list[dict]:
+    """The finished (not diverged) runs of ``opt`` at ``steps`` and ``lr``."""
+    return [r for r in results.values()
             if r["optimizer"] == opt and r["steps"] == steps and lr is not None
-            and math.isclose(r["lr"], lr) and r["final_val_loss"] is not None}
+            and math.isclose(r["lr"], lr) and r["final_val_loss"] is not None]
 
 
 def summarize(results: dict[str, dict], s: Settings) -> dict[str, Any]:
@@ -458,7 +580,9 @@ def summarize(results: dict[str, dict], s: Settings) -> dict[str, Any]:
             v = list(f.values())
             mean = sum(v) / len(v)
             sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else None
-            gap = paired_gap(f, finals(results, BASELINE, s.main_horizon, lrs[BASELINE]))
+            gap = paired(finished(results, o, s.main_horizon, lrs[o]),
+                         finished(results, BASELINE, s.main_horizon, lrs[BASELINE]),
+                         f"{opt.label} vs {OPTIMIZERS[BASELINE].label} at {s.main_horizon} steps")
             table[o] = {"label": opt.label, "lr": lrs[o], "n": len(v), "mean": mean, "sd": sd,
                         "diverged": sum(1 for r in results.values() if r["optimizer"] == o and
                                         r["final_val_loss"] is None and r["steps"] == s.main_horizon
@@ -468,8 +592,9 @@ def summarize(results: dict[str, dict], s: Settings) -> dict[str, Any]:
     gaps = {o: {} for o in GAPS}
     for o in GAPS:
         for steps in sorted({r["steps"] for r in results.values()}):
-            g = paired_gap(finals(results, o, steps, lrs[o]),
-                           finals(results, BASELINE, steps, lrs[BASELINE]))
+            g = paired(finished(results, o, steps, lrs[o]),
+                       finished(results, BASELINE, steps, lrs[BASELINE]),
+                       f"{OPTIMIZERS[o].label} vs {OPTIMIZERS[BASELINE].label} at {steps} steps")
             if g:
                 gaps[o][steps] = g
     sweeps = {o: sorted(([r["lr"], r["final_val_loss"]] for r in results.values()
@@ -735,6 +860,8 @@ def parse(argv=None):
     p.add_argument("--json", default=str(REPO / "docs" / "figures" / "quality_study.json"))
     p.add_argument("--report", default=str(REPO / "docs" / "quality.md"))
     p.add_argument("--extra", nargs="*", default=[], help="more trainer overrides for every run")
+    p.add_argument("--unrecorded-commit", default=None,
+                   help="the commit that the JSON's runs without a recorded commit ran at")
     return p.parse_args(argv)
 
 
@@ -746,7 +873,7 @@ def main(argv=None) -> int:
                  seeds=a.seeds, lrs=tuple(sorted(a.lrs)), optimizers=tuple(a.optimizers),
                  extra=tuple(a.extra))
     runs_dir = Path(a.out_dir) / "runs"
-    results = load_results(runs_dir)
+    results = {**json_runs(Path(a.json), a.unrecorded_commit), **load_results(runs_dir)}
     s, planned, total = apply_budget(results, base, a.budget_hours, not a.no_cuts)
     todo = [(r, ok) for r, ok in stage_filter(planned, a.stage, a.only) if r.id not in results]
     remaining = sum(estimate_s(r, results) for r, _ in todo)
@@ -771,13 +898,8 @@ def main(argv=None) -> int:
                 print(f"  {r.id:34s} {state:20s} ~{estimate_s(r, results):.0f} s")
         return 0
     json_path, report = Path(a.json), Path(a.report)
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(runs_dir / ".lock", "w")   # one invocation at a time per study directory
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"another study_quality.py is running on {runs_dir}; exiting", file=sys.stderr)
-        lock.close()
+    lock = study_lock(runs_dir, "study_quality.py")
+    if lock is None:
         return 1
     try:
         ran = 0
@@ -801,4 +923,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

@@ -21,7 +21,6 @@ dense AdamS) on seeds 0..N-1 for paired gaps with 95% t-intervals. Finished runs
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import shlex
@@ -60,8 +59,13 @@ class Candidate:
     cooldown: float = 0.0
     rank: int = 4                # PowerSGD's
     hysteresis: float = 0.0      # optimizer.mask_hysteresis (ours, opt-in)
+    strategy: str = "data_parallel"   # or local-step training: diloco, gasloc
+    inner_steps: int = 30        # their H
 
     def overrides(self, steps: int) -> list[str]:
+        if self.strategy != "data_parallel":
+            return [f"optimizer={self.optimizer}", f"strategy={self.strategy}",
+                    f"strategy.inner_steps={self.inner_steps}"]
         if self.optimizer == "powersgd":
             return ["optimizer=powersgd", f"optimizer.powersgd_rank={self.rank}"]
         if self.optimizer not in ("scape", "topk_adamw"):
@@ -126,6 +130,10 @@ CANDIDATES = {c.name: c for c in [
     *(_s(f"f_{p}_d{round(d * 100):02d}", f"d {d:g}, {p} payload, no warm-up",
          2e-3 if d >= 0.05 else 4e-3, density=d, payload=p, warmup=0.0)
       for d in (0.1, 0.05, 0.02, 0.01) for p in ("fp32", "bf16", "fp8_e4m3")),
+    # local-step training (inner AdamW at dense AdamW's lr; a dense exchange every H steps)
+    *(_s(f"{st}_h{h}", f"{'DiLoCo' if st == 'diloco' else 'GASLoC (2 peers)'}, H = {h}", 2e-3,
+         optimizer="adamw", strategy=st, inner_steps=h)
+      for st in ("diloco", "gasloc") for h in (30, 10)),
 ]}
 # frontier points that an earlier screen already ran under another name
 FRONTIER_ALIASES = {"f_fp8_e4m3_d10": "s99_fp8_d10_now", "f_bf16_d05": "s99_bf16_d05_now"}
@@ -146,19 +154,49 @@ def run_id(c: Candidate, seed: int, steps: int, shape: str = SHAPE) -> str:
 
 
 def command(c: Candidate, seed: int, steps: int, ranks: int, run_dir: Path, extra,
-            shape: str = SHAPE) -> list[str]:
+            shape: str = SHAPE, checkpoint_every: int = 0) -> list[str]:
+    """The run's trainer command; with ``checkpoint_every`` it checkpoints and resumes
+    (``resume=auto``: the last checkpoint in ``run_dir``, or a fresh start without one)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={ranks}", "-m", "scape_train",
-            *sq.common_overrides(steps, c.lr, seed, shape), *c.overrides(steps), *extra,
-            f"run_dir={run_dir}", f"run_name=s99_{run_id(c, seed, steps, shape)}"]
+            *sq.common_overrides(steps, c.lr, seed, shape, checkpoint_every), *c.overrides(steps),
+            *extra, f"run_dir={run_dir}", f"run_name=s99_{run_id(c, seed, steps, shape)}",
+            *(["resume=auto"] if checkpoint_every else [])]
+
+
+def started_code(run_dir: Path, rid: str, resume: bool) -> dict:
+    """The code a run executes (``study_quality.code_state``), kept in ``run_dir/code.json`` at
+    its first start with the wall time of its earlier attempts; a resume at other code than the
+    run started with is refused (one run, one commit)."""
+    now = sq.code_state()
+    path = run_dir / "code.json"
+    if resume and path.exists():
+        started = json.loads(path.read_text())
+        if (started["commit"], started["dirty"]) != (now["commit"], now["dirty"]):
+            raise RuntimeError(
+                f"{rid} started at commit {started['commit']}{' (dirty)' * started['dirty']} and "
+                f"this worktree is at {now['commit']}{' (dirty)' * now['dirty']}: resume it from a "
+                f"worktree at its commit, or delete {run_dir} to run it again here")
+        return started
+    run_dir.mkdir(parents=True, exist_ok=True)
+    code = {**now, "wall_s_before": 0.0}
+    sq.write_atomic(path, json.dumps(code))
+    return code
 
 
 def execute(c: Candidate, seed: int, steps: int, ranks: int, runs_dir: Path, extra,
-            shape: str = SHAPE) -> dict:
+            shape: str = SHAPE, checkpoint_every: int = 0) -> dict:
+    """Run (or, with ``checkpoint_every``, resume) one run and write its ``result.json``."""
     rid = run_id(c, seed, steps, shape)
     run_dir = runs_dir / rid
-    cmd = command(c, seed, steps, ranks, run_dir / "train", extra, shape)
-    wall, diverged = sq.run_trainer(cmd, run_dir, rid)
+    resume = checkpoint_every > 0
+    if not resume:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = command(c, seed, steps, ranks, run_dir / "train", extra, shape, checkpoint_every)
+    code = started_code(run_dir, rid, resume)
+    wall, diverged = sq.run_trainer(cmd, run_dir, rid, resume=resume)
+    wall += code["wall_s_before"]
+    sq.write_atomic(run_dir / "code.json", json.dumps({**code, "wall_s_before": wall}))
     metrics = run_dir / "train" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] \
         if metrics.exists() else []
@@ -169,10 +207,14 @@ def execute(c: Candidate, seed: int, steps: int, ranks: int, runs_dir: Path, ext
               "steps": steps, "shape": shape, "settings": c.overrides(steps),
               "final_val_loss": None if diverged else val[-1][1], "diverged": diverged,
               "sent_bytes": sq.run_sent_bytes(rows), "val_loss": val,
+              "train_loss": sq.series(rows, "loss"),
               "density_series": sq.series(rows, "scape/density"),
               "residual_norm": sq.series(rows, "scape/residual_norm"),
+              "mask_overlap": sq.series(rows, "scape/mask_overlap"),
+              "total_sent_series": sq.series(rows, "comm/total_sent_bytes"),
               "wall_s": round(wall, 2), "command": shlex.join(cmd).replace(str(REPO) + "/", ""),
-              "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+              "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "commit": code["commit"], "dirty": code["dirty"]}
     shutil.rmtree(run_dir / "train" / "checkpoints", ignore_errors=True)
     sq.write_atomic(run_dir / "result.json", json.dumps(result, indent=1))
     print(f"   {rid}: final val loss {result['final_val_loss']}, "
@@ -187,24 +229,37 @@ def finals(results, name: str) -> dict[int, float]:
             if r["candidate"] == name and r["final_val_loss"] is not None}
 
 
+def runs_of(results, name: str) -> list[dict]:
+    return [r for r in results.values() if r["candidate"] == name]
+
+
+def gaps_to_baseline(results, name: str) -> tuple[float | None, dict | None]:
+    """(seed 0's gap, the paired gap over every seed) of ``name`` to dense AdamS, each pairing
+    only runs of one commit (``study_quality.paired`` refuses others)."""
+    runs, base = runs_of(results, name), runs_of(results, BASELINE)
+    what = f"{name} vs {BASELINE}"
+    g0 = sq.paired(runs, base, what + ", seed 0", seeds=[0])
+    return (g0["mean"] if g0 else None), (sq.paired(runs, base, what) if name != BASELINE
+                                          else None)
+
+
 def summarize(results: dict[str, dict]) -> dict:
     ref_bytes = next((r["sent_bytes"] for r in results.values()
                       if r["candidate"] == REFERENCE and r["seed"] == 0), None)
-    base = finals(results, BASELINE)
     rows = []
     frontier_only = {n for _, names in FAMILIES for n in names} - {BASELINE, REFERENCE}
     for name, c in CANDIDATES.items():
         if name in frontier_only:
             continue
         f = finals(results, name)
-        runs = [r for r in results.values() if r["candidate"] == name]
+        runs = runs_of(results, name)
         if not runs:
             continue
         sent = runs[0]["sent_bytes"]
+        gap0, paired = gaps_to_baseline(results, name)
         rows.append({"candidate": name, "label": c.label, "lr": c.lr,
                      "settings": runs[0]["settings"], "seeds": sorted(f),
-                     "seed0": f.get(0), "gap_seed0": (f[0] - base[0]) if 0 in f and 0 in base
-                     else None, "paired": sq.paired_gap(f, base) if name != BASELINE else None,
+                     "seed0": f.get(0), "gap_seed0": gap0, "paired": paired,
                      "sent_bytes": sent,
                      "bytes_vs_ref": sent / ref_bytes if sent and ref_bytes else None,
                      "diverged": any(r["diverged"] for r in runs)})
@@ -243,14 +298,14 @@ def render(summary: dict, fig_rel: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _axes(size: tuple[float, float]):
-    """A figure and its axes, drawn without a display."""
+def _axes(size: tuple[float, float], ncols: int = 1):
+    """A figure and its axes (a row of ``ncols``), drawn without a display."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=size, dpi=110)
+    return plt.subplots(1, ncols, figsize=size, dpi=110)
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -270,56 +325,127 @@ def plot(summary: dict, path: Path) -> None:
     sq._save_figure(fig, [ax], path)
 
 
+OTHER_SETTINGS = "SCAPE, the search's other settings"
+
+
+def _constant_bytes(c: Candidate) -> bool:
+    """Whether every step of ``c`` sends the same bytes (no density warm-up, start or cooldown)."""
+    return c.optimizer not in ("scape", "topk_adamw") or (
+        c.warmup == 0 and c.start == 0 and c.cooldown == 0) or c.shape == "constant"
+
+
+def steady_step_bytes(run: dict, results) -> tuple[float | None, str | None]:
+    """(bytes rank 0 sends per step once the density schedule has settled, where they come from).
+    From the run's ``total_sent_series`` over its steady steps (after the warm-up, before a
+    cooldown); else, for a run whose steps all send alike, its total over its steps; else the
+    same from a run of a constant-bytes setting of the same optimizer, density and payload at the
+    same steps and model (what the steady steps send); else unknown."""
+    c = CANDIDATES[run["candidate"]]
+    steps = run["steps"]
+    series = run.get("total_sent_series") or []
+    if c.optimizer in ("scape", "topk_adamw"):
+        lo = round((c.start + c.warmup) * steps) + 1
+        hi = steps - round(c.cooldown * steps)
+    else:
+        lo, hi = 1, steps
+    inside = [(st, v) for st, v in series if lo <= st <= hi]
+    if len(inside) >= 2 and inside[-1][0] > inside[0][0]:
+        (a, va), (b, vb) = inside[0], inside[-1]
+        return (vb - va) / (b - a), "the run's steady steps"
+    if _constant_bytes(c) and run.get("sent_bytes"):
+        return run["sent_bytes"] / steps, "the run's total over its steps"
+    for r in results.values():
+        o = CANDIDATES.get(r["candidate"])
+        if (o and _constant_bytes(o) and o.optimizer == c.optimizer and o.density == c.density
+                and o.payload == c.payload and r["steps"] == steps
+                and r.get("shape", SHAPE) == run.get("shape", SHAPE) and r.get("sent_bytes")):
+            return r["sent_bytes"] / steps, f"`{o.name}` (the same density and payload, " \
+                                             "no warm-up)"
+    return None, None
+
+
+def frontier_names(results) -> list[tuple[str, str]]:
+    """(family, candidate) of every frontier point: the families' settings, then every other
+    setting the search ran (a point any budget may be best at), each once (aliases resolved)."""
+    named = [(family, name) for family, names in FAMILIES for name in names]
+    taken = {FRONTIER_ALIASES.get(n, n) for _, n in named}
+    others = sorted({r["candidate"] for r in results.values()} - taken)
+    return named + [(OTHER_SETTINGS, n) for n in others if n in CANDIDATES]
+
+
 def frontier(results) -> dict:
     """Final loss against bytes per rank, per family (seed 0; paired gaps where there are
     seeds), and at each point's bytes the setting with the lowest loss at no more bytes."""
-    base = finals(results, BASELINE)
     points = []
-    for family, names in FAMILIES:
-        for name in names:
-            source = FRONTIER_ALIASES.get(name, name)
-            runs = [r for r in results.values() if r["candidate"] == source]
-            f = finals(results, source)
-            if 0 not in f:
-                continue
-            c = CANDIDATES[name]
-            points.append({"family": family, "candidate": name, "source": source,
-                           "label": c.label, "lr": c.lr, "density": c.density
-                           if c.optimizer in ("scape", "topk_adamw") else None,
-                           "payload": c.payload if c.optimizer == "scape" else None,
-                           "sent_bytes": runs[0]["sent_bytes"], "seed0": f[0],
-                           "gap_seed0": f[0] - base[0] if 0 in base else None,
-                           "paired": sq.paired_gap(f, base) if source != BASELINE else None})
+    for family, name in frontier_names(results):
+        source = FRONTIER_ALIASES.get(name, name)
+        runs = runs_of(results, source)
+        f = finals(results, source)
+        if 0 not in f:
+            continue
+        c = CANDIDATES[name]
+        gap0, paired = gaps_to_baseline(results, source)
+        run0 = next(r for r in runs if r["seed"] == 0)
+        points.append({"family": family, "candidate": name, "source": source,
+                       "label": c.label, "lr": c.lr, "density": c.density
+                       if c.optimizer in ("scape", "topk_adamw") else None,
+                       "payload": c.payload if c.optimizer == "scape" else None,
+                       "sent_bytes": run0["sent_bytes"], "seed0": f[0],
+                       **dict(zip(("steady_step_bytes", "steady_source"),
+                                  steady_step_bytes(run0, results))),
+                       "gap_seed0": gap0, "paired": paired})
     for pt in points:
         cheaper = [q for q in points if q["sent_bytes"] <= pt["sent_bytes"]]
         pt["best_within"] = min(cheaper, key=lambda q: q["seed0"])["candidate"]
+        if pt["steady_step_bytes"] is not None:
+            cheaper = [q for q in points if q["steady_step_bytes"] is not None
+                       and q["steady_step_bytes"] <= pt["steady_step_bytes"]]
+            pt["best_within_per_step"] = min(cheaper, key=lambda q: q["seed0"])["candidate"]
     return {"points": points}
+
+
+def paired_sd_range(front: dict) -> tuple[float, float] | None:
+    """The smallest and largest sd of the paired gaps (2+ seeds) on the frontier."""
+    sds = [p["paired"]["sd"] for p in front["points"] if p["paired"] and p["paired"]["sd"]]
+    return (min(sds), max(sds)) if sds else None
 
 
 def render_frontier(front: dict, fig_rel: str) -> str:
     def g(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
+    def best(pt, key):
+        b = pt.get(key)
+        return "n/a" if b is None else ("**this**" if b == pt["candidate"] else f"`{b}`")
+
+    sds = paired_sd_range(front)
+    spread = ("" if sds is None else
+              f" (the paired gaps' sd over seeds is {sds[0]:.4f}-{sds[1]:.4f} on this frontier)")
     lines = [F_BEGIN, "", "## The quality-per-byte frontier", "",
-             f"Final validation loss after {STEPS} steps against the data bytes a rank sent over "
-             "the run, on the study's setup (seed 0; `paired` where 3 seeds ran). SCAPE's "
-             "no-warm-up points run at lr 2e-3 for d >= 0.05 and 4e-3 below (the screens' best); "
-             "dense, top-k and PowerSGD at their best lr of the convergence study. 'Best at these "
-             "bytes' is the lowest seed-0 loss among the points that send no more; seed-0 "
-             "differences below ~0.03 "
-             "are within the seed-to-seed spread of a paired gap (its sd was 0.016-0.03 over 3 "
-             "seeds in the convergence study and here).", "",
-             "| family | setting | lr | MB sent per rank | final val loss | gap to AdamS | "
-             "paired gap [95% CI] | best at these bytes |", "|---|---|---|---|---|---|---|---|"]
+             f"Final validation loss after {STEPS} steps against the data bytes a rank sent: over "
+             "the whole run (total) and per step once the density schedule has settled (steady: "
+             "after the warm-up, before a cooldown), on the study's setup (seed 0; `paired` where "
+             "3 seeds ran). SCAPE's no-warm-up points run at lr 2e-3 for d >= 0.05 and 4e-3 below "
+             "(the screens' best); dense, top-k and PowerSGD at their best lr of the convergence study; every other "
+             "setting the search ran is on it too. 'Best at these bytes' is the lowest seed-0 loss "
+             "among the points that send no more, in total and per steady step. When the network "
+             "bounds every step, the per-step bytes set the wall clock; when it does not, the "
+             "total does. A seed-0 difference below about twice a paired gap's sd is within the "
+             f"seed-to-seed spread{spread}.", "",
+             "| family | setting | lr | MB sent per rank | KB per steady step | final val loss | "
+             "gap to AdamS | paired gap [95% CI] | best at these bytes | best at these bytes "
+             "per step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for pt in sorted(front["points"], key=lambda q: q["sent_bytes"]):
         p = pt["paired"]
         paired = "" if not p or p["lo"] is None else \
             f"{p['mean']:+.4f} [{p['lo']:+.4f}, {p['hi']:+.4f}] ({p['n']})"
-        best = "**this**" if pt["best_within"] == pt["candidate"] else f"`{pt['best_within']}`"
+        step = pt.get("steady_step_bytes")
         lines.append(f"| {pt['family']} | {pt['label']} (`{pt['candidate']}`) | {pt['lr']:g} | "
-                     f"{pt['sent_bytes'] / 1e6:,.1f} | {pt['seed0']:.4f} | "
-                     f"{g(pt['gap_seed0'], '+.4f')} | {paired} | {best} |")
-    lines += ["", f"![final loss against bytes]({fig_rel}/frontier.png)", "",
+                     f"{pt['sent_bytes'] / 1e6:,.1f} | "
+                     f"{g(None if step is None else step / 1e3, ',.1f')} | {pt['seed0']:.4f} | "
+                     f"{g(pt['gap_seed0'], '+.4f')} | {paired} | {best(pt, 'best_within')} | "
+                     f"{best(pt, 'best_within_per_step')} |")
+    lines += ["", f"![final loss against bytes, total and per step]({fig_rel}/frontier.png)", "",
               f"The runs: `{fig_rel}/scape99_search.json` (its `frontier` key holds this table). "
               "Regenerate with `.venv/bin/python scripts/study_scape99.py --report-only`.", "",
               F_END]
@@ -327,22 +453,26 @@ def render_frontier(front: dict, fig_rel: str) -> str:
 
 
 def plot_frontier(front: dict, path: Path) -> None:
-    fig, ax = _axes((8, 5))
-    for family, _ in FAMILIES:
-        pts = sorted((q for q in front["points"] if q["family"] == family),
-                     key=lambda q: q["sent_bytes"])
-        if not pts:
-            continue
-        xs, ys = [q["sent_bytes"] / 1e6 for q in pts], [q["seed0"] for q in pts]
-        series = family.startswith("SCAPE ") and "no warm-up" in family
-        ax.plot(xs, ys, "o-" if series else "s", ms=5, label=family)
-        for q, x, y in zip(pts, xs, ys):
-            tag = f"d {q['density']:g}" if series else q["candidate"]
-            ax.annotate(tag, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set(xlabel="MB sent per rank over the run (log)", ylabel="final validation loss (seed 0)",
-           title=f"Quality per byte, {STEPS} steps, 4 ranks")
-    sq._save_figure(fig, [ax], path)
+    fig, axes = _axes((13, 5), ncols=2)
+    families = [f for f, _ in FAMILIES] + [OTHER_SETTINGS]
+    for ax, key, scale, unit in ((axes[0], "sent_bytes", 1e6, "MB sent per rank over the run"),
+                                 (axes[1], "steady_step_bytes", 1e3,
+                                  "KB sent per rank per steady step")):
+        for family in families:
+            pts = sorted((q for q in front["points"] if q["family"] == family
+                          and q.get(key) is not None), key=lambda q: q[key])
+            if not pts:
+                continue
+            xs, ys = [q[key] / scale for q in pts], [q["seed0"] for q in pts]
+            series = family.startswith("SCAPE ") and "no warm-up" in family
+            ax.plot(xs, ys, "o-" if series else "s", ms=5, label=family)
+            for q, x, y in zip(pts, xs, ys):
+                tag = f"d {q['density']:g}" if series else q["candidate"]
+                ax.annotate(tag, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set(xlabel=f"{unit} (log)", ylabel="final validation loss (seed 0)",
+               title=f"Quality per byte, {STEPS} steps, 4 ranks")
+    sq._save_figure(fig, [axes[0]], path)
 
 
 def scale_check(results) -> dict:
@@ -445,9 +575,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=str(REPO / "docs" / "figures" / "scape99_search.json"))
     p.add_argument("--report", default=str(REPO / "docs" / "quality.md"))
     p.add_argument("--extra", nargs="*", default=["trainer.dist_timeout_s=3600"])
+    p.add_argument("--unrecorded-commit", default=None,
+                   help="the commit that the JSON's runs without a recorded commit ran at")
     a = p.parse_args(argv)
     runs_dir = Path(a.out_dir) / "runs"
-    results = load(runs_dir) if runs_dir.exists() else {}
+    # the JSON's runs (a report renders from it alone), the run directories' over them
+    results = {**sq.json_runs(Path(a.json), a.unrecorded_commit),
+               **(load(runs_dir) if runs_dir.exists() else {})}
     todo = [(CANDIDATES[n], 0) for n in a.screen]
     confirm = list(dict.fromkeys([BASELINE, *a.confirm])) if a.confirm else []
     todo += [(CANDIDATES[n], k) for k in range(a.seeds) for n in confirm]
@@ -456,12 +590,8 @@ def main(argv=None) -> int:
         print(f"planned: {run_id(c, k, a.steps, a.shape)}  {' '.join(c.overrides(a.steps))}")
     if a.dry_run:
         return 0
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(runs_dir / ".lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"another study_scape99.py is running on {runs_dir}", file=sys.stderr)
+    lock = sq.study_lock(runs_dir, "study_scape99.py")
+    if lock is None:
         return 1
     with lock:
         for c, k in ([] if a.report_only else todo):
@@ -473,4 +603,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sq.cli(main)

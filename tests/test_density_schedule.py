@@ -64,6 +64,52 @@ def test_changing_steps_cover_every_density(kw):
     assert every == {s.at(t) for t in s.changing_steps()}
 
 
+# -- exact k: floor(d_t * numel) at round products, no float truncation --------------------------
+
+@pytest.mark.parametrize("shape", ["geometric", "linear"])
+@pytest.mark.parametrize("target", [0.1, 0.64, 0.07, 0.29, 0.01, 0.57])
+def test_ramp_ends_exactly_at_the_target(shape, target):
+    s = DensitySchedule(target, 10, shape)
+    assert s.at(10) == target and s.at(11) == target and s.at(10_000) == target
+    assert density_at(10, target, 10, shape) == target
+    # with a dense phase first and a cooldown at the end the plateau is the target itself
+    t = DensitySchedule(target, 10, shape, start_step=5, cooldown_steps=4, total_steps=40)
+    assert [t.at(u) for u in range(14, 37)] == [target] * 23
+
+
+@pytest.mark.parametrize("shape", ["geometric", "linear", "constant"])
+@pytest.mark.parametrize("target,numel,k", [(0.1, 100, 10), (0.64, 100, 64), (0.07, 100, 7),
+                                            (0.29, 100, 29), (0.57, 100, 57), (0.58, 100, 58),
+                                            (0.01, 1000, 10), (0.01, 50, 1), (0.1, 7, 1),
+                                            (0.3, 10, 3), (0.7, 10, 7), (0.01, 123_456_700,
+                                                                         1_234_567)])
+@pytest.mark.parametrize("phases", [dict(), dict(start_step=6),
+                                    dict(start_step=3, cooldown_steps=5, total_steps=60)])
+def test_segment_k_is_the_floor_of_the_exact_product(shape, target, numel, k, phases):
+    s = DensitySchedule(target, 12, shape, **phases)
+    steady = [t for t in range(1, 60) if t >= max(1, s.start_step) + 12
+              and not (s.cooldown_steps and t > s.total_steps - s.cooldown_steps)]
+    assert steady and {segment_k(numel, s.at(t)) for t in steady} == {k}
+    # the dense phase and the cooldown's last step keep everything
+    if s.start_step:
+        assert segment_k(numel, s.at(1)) == numel
+    if s.cooldown_steps:
+        assert segment_k(numel, s.at(s.total_steps)) == numel
+
+
+def test_linear_ramp_k_at_round_intermediate_densities():
+    # from 1.0 to 0.1 over 10 steps: d_u = 1 - 0.09·u, each a round product with 100
+    s = DensitySchedule(0.1, 10, "linear")
+    assert [segment_k(100, s.at(u)) for u in range(1, 11)] == [91, 82, 73, 64, 55, 46, 37, 28,
+                                                                19, 10]
+    assert s.at(10) == 0.1                       # the last warm-up step is the target itself
+    # a ramp step whose exact density has no short decimal: 1 - 0.9·u/7, times 7000
+    s7 = DensitySchedule(0.1, 7, "linear")
+    assert [segment_k(7000, s7.at(u)) for u in range(1, 8)] == [7000 - 900 * u for u in range(1, 8)]
+    # the float one rounding below a target still keeps the target's k
+    assert segment_k(100, 1.0 + (0.1 - 1.0) * 1.0) == 10
+
+
 def test_bad_schedules_fail_naming_the_field():
     with pytest.raises(ValueError, match="density_schedule"):
         DensitySchedule(0.1, 10, "cosine")

@@ -95,7 +95,8 @@ def _fake(opt, lr, seed, steps, loss, stage):
             "payload_dtype": None, "mask_coding": None, "final_val_loss": loss, "val_loss": curve,
             "train_loss": curve, "residual_norm": [[1, 0.5], [steps, 1.0]] if opt != "adams" else [],
             "mask_overlap": [[2, 0.8], [steps, 0.9]] if opt != "adams" else [], "density_series": [],
-            "tokens": 1, "wall_s": 100.0, "command": "x", "finished_at": "now"}
+            "tokens": 1, "wall_s": 100.0, "command": "x", "finished_at": "now", "commit": "0123abc",
+            "dirty": False}
 
 
 def test_plan_stages_best_lr_edge_extension_and_report(tmp_path):
@@ -134,7 +135,8 @@ def test_plan_stages_best_lr_edge_extension_and_report(tmp_path):
     summary = sq.summarize(res, s)
     g = summary["gaps"]["scape99"][1000]
     want = sq.paired_gap(sq.finals(res, "scape99", 1000, 4e-3), sq.finals(res, "adams", 1000, 2e-3))
-    assert g == want and g["n"] == 3 and sorted(summary["gaps"]["scape99"]) == [300, 1000, 3000]
+    assert g == {**want, "commit": "0123abc"} and g["n"] == 3
+    assert sorted(summary["gaps"]["scape99"]) == [300, 1000, 3000]
     report = tmp_path / "quality.md"
     report.write_text("# Quality\n\nhand-written part\n")
     payload = sq.write_outputs(res, s, planned, 3600.0, tmp_path / "figures" / "quality_study.json", report)
@@ -149,6 +151,52 @@ def test_plan_stages_best_lr_edge_extension_and_report(tmp_path):
     assert payload["summary"]["best_lr"]["scape99"] == 4e-3
     sq.write_outputs(res, s, planned, 3600.0, tmp_path / "figures" / "quality_study.json", report)
     assert report.read_text() == text                               # regenerating replaces
+
+
+def test_pairing_refuses_runs_of_different_commits_or_none():
+    a = [_fake("scape99", 4e-3, k, 1000, 5.2 + 0.01 * k, "seeds") for k in range(3)]
+    b = [_fake("adams", 2e-3, k, 1000, 5.1 + 0.01 * k, "seeds") for k in range(3)]
+    assert sq.paired(a, b, "x")["commit"] == "0123abc"
+    b[1] = {**b[1], "commit": "fedcba9"}
+    with pytest.raises(sq.MixedCommitsError) as err:
+        sq.paired(a, b, "SCAPE-99 vs dense AdamS")
+    msg = str(err.value)
+    assert "different commits" in msg and "fedcba9: adams_lr0.002_s1_h1000" in msg
+    assert "0123abc: " in msg and "scape99_lr0.004_s0_h1000" in msg
+    # a seed that is not paired does not count; a dirty run is of other code than its commit
+    assert sq.paired(a, b, "x", seeds=[0, 2])["n"] == 2
+    a[0] = {**a[0], "dirty": True}
+    with pytest.raises(sq.MixedCommitsError, match=r"0123abc\+dirty: scape99_lr0.004_s0_h1000"):
+        sq.paired(a, b, "x", seeds=[0, 2])
+    # a run without a recorded commit is refused, naming it and what to do
+    none = {k: v for k, v in b[2].items() if k not in ("commit", "dirty")}
+    with pytest.raises(sq.MixedCommitsError, match="record no commit: adams_lr0.002_s2_h1000.*"
+                                                   "--unrecorded-commit"):
+        sq.paired(a[1:], [b[0], none], "x")
+
+
+def test_runs_without_a_commit_take_the_one_their_json_names(tmp_path):
+    run = {k: v for k, v in _fake("adams", 2e-3, 0, 1000, 5.1, "seeds").items()
+           if k not in ("commit", "dirty")}
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps({"runs": [run]}))
+    assert sq.json_runs(path)[run["id"]].get("commit") is None
+    got = sq.json_runs(path, "abc1234")[run["id"]]
+    assert (got["commit"], got["dirty"], got["commit_source"]) == ("abc1234", False, "json")
+    path.write_text(json.dumps({"code_commit": "def5678", "runs": [run, {**run, "id": "r2",
+                                                                         "commit": "9999999"}]}))
+    runs = sq.json_runs(path)
+    assert runs[run["id"]]["commit"] == "def5678" and runs["r2"]["commit"] == "9999999"
+
+
+def test_code_state_names_the_commit_of_the_code():
+    import subprocess
+
+    state = sq.code_state()
+    code = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%H", "HEAD", "--",
+                           "scape_train", "scripts", "configs", "pyproject.toml"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert len(code) == 40 and state["commit"] == code and isinstance(state["dirty"], bool)
 
 
 def test_report_without_data_says_not_run(tmp_path):

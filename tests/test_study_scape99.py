@@ -11,11 +11,15 @@ sys.path.insert(0, str(REPO / "scripts"))
 import study_scape99 as s99  # noqa: E402
 
 
-def _run(name: str, seed: int, loss: float, sent: int) -> dict:
+COMMIT = "0123abc"
+
+
+def _run(name: str, seed: int, loss: float, sent: int, commit: str | None = COMMIT) -> dict:
     c = s99.CANDIDATES[s99.FRONTIER_ALIASES.get(name, name)]
     return {"id": s99.run_id(c, seed, s99.STEPS), "candidate": c.name, "label": c.label,
             "lr": c.lr, "seed": seed, "steps": s99.STEPS, "settings": c.overrides(s99.STEPS),
-            "final_val_loss": loss, "diverged": False, "sent_bytes": sent}
+            "final_val_loss": loss, "diverged": False, "sent_bytes": sent,
+            **({} if commit is None else {"commit": commit, "dirty": False})}
 
 
 RESULTS = {r["id"]: r for r in [
@@ -78,3 +82,35 @@ def test_a_scale_check_is_reported_apart_from_the_search(tmp_path):
     search = text[text.index(s99.BEGIN):text.index(s99.END)]
     assert "3.9000" not in search and "3.5000" not in search    # the search's gaps are unmoved
     assert (tmp_path / "figures" / "scape99_scale.png").stat().st_size > 0
+
+
+def test_every_setting_the_search_ran_is_on_the_frontier_with_its_bytes_per_step():
+    geo3 = _run("s99_fp8_d08_geo3", 0, 3.82, 505)
+    results = {**RESULTS, geo3["id"]: geo3}
+    points = {p["candidate"]: p for p in s99.frontier(results)["points"]}
+    assert points["s99_fp8_d08_geo3"]["family"] == s99.OTHER_SETTINGS
+    assert points["scape99"]["best_within"] == "s99_fp8_d08_geo3"      # 505 <= 550 bytes
+    # steady bytes per step: a constant-bytes run's total over its steps; SCAPE-99's (geometric
+    # warm-up) from the no-warm-up run of its density and payload; none for d 0.08 fp8
+    steps = s99.STEPS
+    assert points["f_fp8_e4m3_d01"]["steady_step_bytes"] == 70 / steps
+    assert points["scape99"]["steady_step_bytes"] == 200 / steps
+    assert "f_fp32_d01" in points["scape99"]["steady_source"]
+    assert points["s99_fp8_d08_geo3"]["steady_step_bytes"] is None
+    # per step, SCAPE-99 (4.14) is beaten by the no-warm-up run of its own steady bytes (4.04)
+    assert points["scape99"]["best_within_per_step"] == "f_fp32_d01"
+    assert points["adams"]["steady_step_bytes"] == 16_000 / steps
+    # a run's own series over its steady steps wins over any estimate
+    # (its warm-up is 3% of 3000 steps: steps 1-90)
+    series = {**geo3, "total_sent_series": [[60, 600.0], [120, 1000.0], [3000, 9000.0]]}
+    assert s99.steady_step_bytes(series, results) == (8000 / 2880, "the run's steady steps")
+
+
+def test_the_frontier_refuses_to_pair_runs_of_different_commits():
+    import pytest
+
+    other = _run("s99_fp8_d10_now", 1, 3.84, 570, commit="fedcba9")
+    results = {**RESULTS, other["id"]: other}
+    with pytest.raises(s99.sq.MixedCommitsError,
+                       match="fedcba9: s99_fp8_d10_now_lr0.002_s1_h3000"):
+        s99.frontier(results)

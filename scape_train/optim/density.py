@@ -16,6 +16,7 @@ Being stateless, the schedule resumes exactly from the step counter alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SCHEDULES = ("geometric", "linear", "constant")
@@ -84,6 +85,8 @@ class DensitySchedule:
         if self.shape == "constant" or self.warmup_steps == 0:
             return d
         frac = min(1.0, max(u, 0) / self.warmup_steps)
+        if frac >= 1.0:
+            return d  # the ramp ends at the target itself, not one rounding away from it
         if self.shape == "linear":
             return s + (d - s) * frac
         return s * (d / s) ** frac
@@ -95,6 +98,20 @@ def density_at(step: int, target: float, warmup_steps: int = 0,
     return DensitySchedule(target, warmup_steps, schedule).at(step)
 
 
+# A density the schedule computes (a ramp's subtraction, product and sum; a power) lies a few ulps
+# (2^-52 relative each) off its exact value; 2^-40 covers any such chain thousands of times over.
+# At 2^31 elements, the most a segment holds, it moves the product by under 2^-9 of one element.
+K_TOLERANCE = 2.0 ** -40
+
+
 def segment_k(numel: int, density: float) -> int:
-    """Entries kept in a segment of ``numel`` elements: ``max(1, floor(d·numel))``, at most all."""
-    return min(numel, max(1, int(density * numel)))
+    """Entries kept in a segment of ``numel`` elements: ``max(1, floor(d·numel))``, at most all.
+
+    The spec (scape.md, line 8): "``k = max(1, floor(d_{t+1}·numel_segment))``", a floor in exact
+    arithmetic. In binary floating point ``0.29 * 100`` is ``28.999999999999996`` and a linear
+    ramp's ``1 - 0.9·0.4`` is ``0.6399999999999999``: truncation would keep one fewer. So the
+    product is floored with a relative tolerance of :data:`K_TOLERANCE`: a product within it below
+    an integer is that integer. The tolerance (rather than exact arithmetic on the density's
+    decimal repr) also holds for computed densities whose exact value has no short decimal (a
+    ramp step of ``u/7``). A pure host-side function: every rank and path gets the same k."""
+    return min(numel, max(1, math.floor(density * numel * (1.0 + K_TOLERANCE))))

@@ -1,0 +1,464 @@
+#!/usr/bin/env python3
+"""The horizon study: does SCAPE-99's gap to dense AdamS close with the tokens per parameter?
+
+The search's setup (``study_scape99.py``: the ``study`` model on ``data=classics``, 4 gloo ranks,
+1024 tokens per step, seeds 1000+k, lr warm-up 10% then cosine to lr/10 ending at each run's own
+length), run at several horizons:
+
+1. ``tune``: every setting (dense AdamS included) and the local-step candidates at
+   ``--tune-steps`` (10000), seed 0, at 3 lrs (its search lr x 0.5, 1, 2); the lowest final
+   validation loss wins and is used at every horizon;
+2. ``horizons``: the settings at every horizon (3000, 10000, 30000 steps), 3 paired seeds for
+   dense AdamS and SCAPE-99, seed 0 for the others.
+
+Every run checkpoints every ``--checkpoint-every`` steps (1000) and resumes from its last
+checkpoint when the study is started again (``resume=auto``); finished runs are skipped, so a
+killed study loses at most that many steps per run. Each run records the commit of the code it
+ran (``code.json`` at its start; a resume at another commit is refused) and its command.
+
+The runs write JSON only (``docs/figures/scape99_horizons.json``); ``--report-only`` renders the
+section of ``docs/quality.md`` and the figure from that JSON.
+
+    .venv/bin/python scripts/study_horizons.py --dry-run                 # plan and estimate
+    .venv/bin/python scripts/study_horizons.py --stage tune              # the lr tuning
+    .venv/bin/python scripts/study_horizons.py --stage horizons          # then the horizons
+    .venv/bin/python scripts/study_horizons.py --report-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import doc_sections  # noqa: E402
+import study_quality as sq  # noqa: E402
+import study_scape99 as s99  # noqa: E402
+
+REPO = sq.REPO
+H_BEGIN, H_END = doc_sections.markers("study_horizons")
+HORIZONS = (3000, 10000, 30000)
+TUNE_STEPS = 10000
+LR_FACTORS = (0.5, 1.0, 2.0)
+CHECKPOINT_EVERY = 1000
+MARGIN = s99.MARGIN
+BASELINE = s99.BASELINE
+GAP_SETTING = "scape99"          # the setting whose gap is fitted against tokens per parameter
+
+
+@dataclass(frozen=True)
+class Setting:
+    candidate: str               # a study_scape99 candidate (its lr: the grid's centre)
+    seeds: int                   # seeds at every horizon
+    horizons: bool = True        # False: a candidate at the tuning horizon only
+
+
+SETTINGS = {s.candidate: s for s in [
+    Setting("adams", 3),
+    Setting("scape99", 3),                # the paper's schedule: geometric warm-up over 10%
+    Setting("f_fp8_e4m3_d01", 1),         # SCAPE-99's steady bytes per step, 4x cheaper values
+    Setting("f_fp8_e4m3_d10", 1),         # the recommended setting
+    # local-step training at the tuning horizon, on the bytes frontier
+    Setting("diloco_h30", 1, horizons=False), Setting("diloco_h10", 1, horizons=False),
+    Setting("gasloc_h30", 1, horizons=False), Setting("gasloc_h10", 1, horizons=False),
+]}
+
+
+@dataclass
+class Plan:
+    shape: str = s99.SHAPE
+    ranks: int = 4
+    horizons: tuple[int, ...] = HORIZONS
+    tune_steps: int = TUNE_STEPS
+    lr_factors: tuple[float, ...] = LR_FACTORS
+    settings: tuple[str, ...] = tuple(SETTINGS)
+    seeds: int | None = None     # None: each setting's own; else at most this many
+
+
+@dataclass(frozen=True)
+class HRun:
+    setting: str
+    lr: float
+    seed: int
+    steps: int
+    stage: str
+
+    @property
+    def candidate(self) -> s99.Candidate:
+        return dataclasses.replace(s99.CANDIDATES[self.setting], lr=self.lr)
+
+    def id(self, shape: str) -> str:
+        return s99.run_id(self.candidate, self.seed, self.steps, shape)
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def lr_grid(setting: str, factors) -> list[float]:
+    centre = s99.CANDIDATES[setting].lr
+    return [float(f"{centre * f:.3g}") for f in factors]
+
+
+def tuned_lr(results: dict, setting: str, p: Plan) -> float | None:
+    """The lr of the grid with the lowest final validation loss at the tuning horizon (seed 0);
+    None until every lr of the grid has finished (or if all diverged)."""
+    done = {r["lr"]: r["final_val_loss"] for r in results.values()
+            if r["candidate"] == setting and r["seed"] == 0 and r["steps"] == p.tune_steps}
+    grid = lr_grid(setting, p.lr_factors)
+    if any(not any(math.isclose(lr, d) for d in done) for lr in grid):
+        return None
+    ok = {lr: v for lr, v in done.items() if v is not None and any(math.isclose(lr, g) for g in grid)}
+    return min(ok, key=ok.get) if ok else None
+
+
+def plan(results: dict, p: Plan) -> list[tuple[HRun, bool]]:
+    """Every run as (run, ready): a horizon run waits for its setting's tuning (planned at the
+    grid's centre lr for the estimate)."""
+    out, seen = [], set()
+
+    def add(run: HRun, ready: bool) -> None:
+        if run.id(p.shape) not in seen:
+            seen.add(run.id(p.shape))
+            out.append((run, ready))
+
+    for name in p.settings:
+        for lr in lr_grid(name, p.lr_factors):
+            add(HRun(name, lr, 0, p.tune_steps, "tune"), True)
+    for name in p.settings:
+        st = SETTINGS[name]
+        if not st.horizons:
+            continue
+        lr = tuned_lr(results, name, p)
+        seeds = st.seeds if p.seeds is None else min(st.seeds, p.seeds)
+        for steps in p.horizons:
+            for seed in range(seeds):
+                add(HRun(name, lr or s99.CANDIDATES[name].lr, seed, steps, "horizons"),
+                    lr is not None)
+    return out
+
+
+# Seconds a run costs on the 2-core machine, 4 ranks, nothing else running: a 3000-step dense
+# AdamS run of the study took 335 s (0.11 s per step once started), SCAPE ~3% more per step.
+# Each run's start and end (5 processes importing torch on 2 cores, the DDP start-up check, the
+# final checkpoint and loss plot) took 45-55 s with other work loading the machine (load 10-14),
+# where a step took 0.14-0.19 s.
+STEP_S = {"dense": 0.11, "scape": 0.115, "local": 0.11}
+STARTUP_S = 50.0
+
+
+def _family(setting: str) -> str:
+    c = s99.CANDIDATES[setting]
+    return "local" if c.strategy != "data_parallel" else (
+        "scape" if c.optimizer == "scape" else "dense")
+
+
+def estimate_s(run: HRun) -> float:
+    checkpoints = run.steps // CHECKPOINT_EVERY
+    return STARTUP_S + run.steps * STEP_S[_family(run.setting)] + 0.5 * checkpoints
+
+
+# ------------------------------------------------------------------------------ the report
+
+
+def study_params(shape: str) -> int:
+    """Parameters of the study's model (the trainer's count, built on the meta device)."""
+    from hydra import compose, initialize_config_dir
+
+    from scape_train.config import register_configs, to_object
+    from scape_train.models.build import build_model
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = to_object(compose(config_name="config",
+                                overrides=[*sq.SHAPES[shape], "data=classics"]))
+    model = build_model(cfg.model, vocab_size=cfg.data.tokenizer.vocab_size, device="meta")
+    return model.num_params()
+
+
+def tokens_per_step(shape: str, ranks: int) -> int:
+    over = dict(o.split("=", 1) for o in sq.SHAPES[shape])
+    return ranks * int(over["trainer.micro_batch_size"]) * int(over["data.seq_len"])
+
+
+def power_law(points: list[dict], margin: float = MARGIN) -> dict:
+    """A weighted least-squares fit of ``log gap = log a - b·log x`` (x: tokens per parameter)
+    to points ``{"x", "mean", "se"}`` (weights 1/var of log gap, var = (se/gap)^2), with b's 95%
+    interval (its standard error from the weights alone), and the x where the fitted gap
+    reaches ``margin`` (with the range b's interval gives it, the fit pivoting at the weighted
+    mean of log x). ``{"ok": False, "why": ...}`` where no trend can be read."""
+    if len(points) < 3:
+        return {"ok": False, "why": f"{len(points)} horizon(s) with a paired interval: a trend "
+                "needs 3 or more"}
+    bad = [pt for pt in points if pt["mean"] <= 0]
+    if bad:
+        return {"ok": False, "why": "the gap is not positive at "
+                + ", ".join(f"{pt['x']:.3g} tokens/param" for pt in bad)
+                + " (a power law of a positive gap does not hold)"}
+    if any(not pt["se"] or pt["se"] <= 0 for pt in points):
+        return {"ok": False, "why": "a horizon's gap has no spread over seeds (no weight)"}
+    lx = [math.log(pt["x"]) for pt in points]
+    ly = [math.log(pt["mean"]) for pt in points]
+    w = [(pt["mean"] / pt["se"]) ** 2 for pt in points]
+    sw = sum(w)
+    xbar = sum(wi * x for wi, x in zip(w, lx)) / sw
+    ybar = sum(wi * y for wi, y in zip(w, ly)) / sw
+    sxx = sum(wi * (x - xbar) ** 2 for wi, x in zip(w, lx))
+    slope = sum(wi * (x - xbar) * (y - ybar) for wi, x, y in zip(w, lx, ly)) / sxx
+    b, se_b = -slope, 1 / math.sqrt(sxx)
+    lo, hi = b - 1.96 * se_b, b + 1.96 * se_b
+    log_a = ybar - slope * xbar
+
+    def reach(bb: float) -> float | None:   # gap(x) = exp(ybar - bb (log x - xbar)) = margin
+        return None if bb <= 0 else math.exp(xbar + (ybar - math.log(margin)) / bb)
+    out = {"ok": True, "a": math.exp(log_a), "b": b, "b_lo": lo, "b_hi": hi, "se_b": se_b,
+           "x_margin": reach(b), "x_margin_range": [reach(hi), reach(lo)]}
+    if b <= 0:
+        out["why"] = "the fitted gap does not shrink with the horizon (b <= 0)"
+    return out
+
+
+def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> dict:
+    """From the runs alone: the tuning (every lr's seed-0 loss, the winner, whether it sits at
+    the grid's edge), each setting's gap to dense AdamS per horizon (paired over seeds where
+    there are several, seed 0 otherwise) at its tokens per parameter, the power-law fit of
+    SCAPE-99's gap, and the tuning horizon's settings and local-step candidates on both bytes
+    views (total; steady per step)."""
+    tune = {}
+    for name in p.settings:
+        grid = lr_grid(name, p.lr_factors)
+        pts = sorted([r["lr"], r["final_val_loss"]] for r in results.values()
+                     if r["candidate"] == name and r["seed"] == 0 and r["steps"] == p.tune_steps
+                     and any(math.isclose(r["lr"], g) for g in grid))
+        best = tuned_lr(results, name, p)
+        tune[name] = {"label": s99.CANDIDATES[name].label, "grid": grid, "losses": pts,
+                      "best": best, "at_edge": best is not None and (
+                          math.isclose(best, min(grid)) or math.isclose(best, max(grid)))}
+    gaps = {}
+    for name in p.settings:
+        lr, base_lr = tune[name]["best"], tune.get(BASELINE, {}).get("best")
+        if name == BASELINE or lr is None or base_lr is None:
+            continue
+        per = {}
+        for steps in sorted({r["steps"] for r in results.values()}):
+            mine = [r for r in results.values() if r["candidate"] == name and r["steps"] == steps
+                    and math.isclose(r["lr"], lr)]
+            base = [r for r in results.values() if r["candidate"] == BASELINE
+                    and r["steps"] == steps and math.isclose(r["lr"], base_lr)]
+            g = sq.paired(mine, base, f"{name} vs {BASELINE} at {steps} steps")
+            if g:
+                per[str(steps)] = {**g, "steps": steps,
+                                   "tokens_per_param": steps * step_tokens / params}
+        gaps[name] = per
+    fit_points = [{"x": g["tokens_per_param"], "mean": g["mean"],
+                   "se": g["sd"] / math.sqrt(g["n"]) if g["sd"] else None}
+                  for g in gaps.get(GAP_SETTING, {}).values() if g["n"] >= 2]
+    fit = power_law(fit_points)
+    if fit.get("x_margin"):
+        fit["steps_margin"] = fit["x_margin"] * params / step_tokens
+        fit["steps_margin_range"] = [None if x is None else x * params / step_tokens
+                                     for x in fit["x_margin_range"]]
+    front = []
+    for name in p.settings:
+        lr = tune[name]["best"]
+        run = next((r for r in results.values() if lr is not None and r["candidate"] == name
+                    and r["seed"] == 0 and r["steps"] == p.tune_steps
+                    and math.isclose(r["lr"], lr)), None)
+        if run is None or run["final_val_loss"] is None:
+            continue
+        step_bytes, source = s99.steady_step_bytes(run, results)
+        front.append({"candidate": name, "label": tune[name]["label"], "lr": lr,
+                      "final_val_loss": run["final_val_loss"], "sent_bytes": run["sent_bytes"],
+                      "steady_step_bytes": step_bytes, "steady_source": source})
+    return {"params": params, "tokens_per_step": step_tokens, "tune_steps": p.tune_steps,
+            "horizons": list(p.horizons), "margin": MARGIN, "tune": tune, "gaps": gaps,
+            "fit": fit, "frontier": front}
+
+
+def _num(v, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def render_horizons(summary: dict, fig_rel: str) -> str:
+    """The section of ``docs/quality.md``: markdown from :func:`horizon_summary` alone."""
+    s = summary
+    lines = [H_BEGIN, "", "## The gap against tokens per parameter", "",
+             f"The search's setup ({s['params']:,} parameters, {s['tokens_per_step']:,} tokens per "
+             f"step) at {', '.join(f'{h:,}' for h in s['horizons'])} steps, each run's lr schedule "
+             f"ending at its own length. lr tuned at {s['tune_steps']:,} steps on seed 0 (3 values "
+             "per setting), the winner used at every horizon. Gaps are to dense AdamS on the same "
+             "seed: the mean over paired seeds with its 95% t-interval, or seed 0's alone.", "",
+             "| setting | lr: final val loss (seed 0) | winner |", "|---|---|---|"]
+    for name, t in s["tune"].items():
+        pts = ", ".join(f"{lr:g}: " + ("diverged" if v is None else f"{v:.4f}")
+                        for lr, v in t["losses"]) or "not run"
+        win = "n/a" if t["best"] is None else f"{t['best']:g}" + (
+            " (at the grid's edge)" if t["at_edge"] else "")
+        lines.append(f"| {t['label']} (`{name}`) | {pts} | {win} |")
+    lines += ["", "| setting | steps | tokens per parameter | seeds | gap to AdamS | 95% interval |",
+              "|---|---|---|---|---|---|"]
+    for name, per in s["gaps"].items():
+        for g in sorted(per.values(), key=lambda g: g["steps"]):
+            ci = "n/a" if g["lo"] is None else f"[{g['lo']:+.4f}, {g['hi']:+.4f}]"
+            lines.append(f"| {s['tune'][name]['label']} (`{name}`) | {g['steps']:,} | "
+                         f"{g['tokens_per_param']:.1f} | {g['n']} | {g['mean']:+.4f} | {ci} |")
+    f = s["fit"]
+    if f["ok"]:
+        rng = f.get("steps_margin_range") or [None, None]
+        reach = ("the fitted gap does not shrink" if f.get("x_margin") is None else
+                 f"{f['x_margin']:.0f} tokens per parameter, {f['steps_margin']:,.0f} steps of "
+                 f"this study (b's interval: {_num(rng[0], ',.0f')} to {_num(rng[1], ',.0f')} "
+                 "steps)")
+        lines += ["", f"SCAPE-99's gap fitted as gap = a·(tokens/param)^(-b), weighted by its "
+                  f"intervals: a = {f['a']:.3g}, b = {f['b']:.3f} [{f['b_lo']:.3f}, "
+                  f"{f['b_hi']:.3f}]. It reaches {s['margin']} at {reach}."]
+    else:
+        lines += ["", f"No power law is fitted to SCAPE-99's gap: {f['why']}."]
+    if s["frontier"]:
+        lines += ["", f"At {s['tune_steps']:,} steps (seed 0, tuned lr), loss against the bytes "
+                  "a rank sent, in total and per steady step (after the density warm-up; a "
+                  "local-step method's is its exchange averaged over its H steps):", "",
+                  "| setting | lr | final val loss | MB sent per rank | KB per steady step |",
+                  "|---|---|---|---|---|"]
+        for pt in sorted(s["frontier"], key=lambda q: q["sent_bytes"] or 0):
+            lines.append(f"| {pt['label']} (`{pt['candidate']}`) | {pt['lr']:g} | "
+                         f"{pt['final_val_loss']:.4f} | "
+                         f"{_num(pt['sent_bytes'] and pt['sent_bytes'] / 1e6, ',.1f')} | "
+                         f"{_num(pt['steady_step_bytes'] and pt['steady_step_bytes'] / 1e3, ',.1f')} |")
+    lines += ["", f"![gap against tokens per parameter]({fig_rel}/scape99_horizons.png)", "",
+              f"Every run with its commit and command: `{fig_rel}/scape99_horizons.json`. "
+              "Regenerate: `.venv/bin/python scripts/study_horizons.py --report-only`.", "", H_END]
+    return "\n".join(lines) + "\n"
+
+
+def plot_horizons(summary: dict, path: Path) -> None:
+    fig, ax = s99._axes((7.5, 4.5))
+    for i, (name, per) in enumerate(summary["gaps"].items()):
+        gs = sorted(per.values(), key=lambda g: g["steps"])
+        if not gs:
+            continue
+        xs = [g["tokens_per_param"] * (1 + 0.03 * i) for g in gs]
+        err = [[0 if g["lo"] is None else g["mean"] - g["lo"] for g in gs],
+               [0 if g["hi"] is None else g["hi"] - g["mean"] for g in gs]]
+        ax.errorbar(xs, [g["mean"] for g in gs], yerr=err, fmt="o-", capsize=4,
+                    label=summary["tune"][name]["label"])
+    f = summary["fit"]
+    if f["ok"] and f["b"] > 0:
+        pts = [g["tokens_per_param"] for g in summary["gaps"][GAP_SETTING].values()]
+        hi = max(pts + ([f["x_margin"]] if f.get("x_margin") else []))
+        xs = [min(pts) * (hi / min(pts)) ** (i / 50) for i in range(51)]
+        ax.plot(xs, [f["a"] * x ** -f["b"] for x in xs], "--", lw=1,
+                label=f"fit: {f['a']:.3g}·x^(-{f['b']:.2f})")
+    ax.axhline(summary["margin"], ls=":", color="gray", label=f"margin {summary['margin']}")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    ax.set(xlabel="tokens per parameter (log)", ylabel="final val loss gap to dense AdamS",
+           title="Gap against training length, 95% t-intervals")
+    sq._save_figure(fig, [ax], path)
+
+
+def write_json(results: dict, p: Plan, json_path: Path, params: int) -> dict:
+    summary = horizon_summary(results, params, tokens_per_step(p.shape, p.ranks), p)
+    payload = {"plan": dataclasses.asdict(p), "shape_overrides": sq.SHAPES[p.shape],
+               "summary": summary, "runs": sorted(results.values(), key=lambda r: r["id"])}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    sq.write_atomic(json_path, json.dumps(payload, indent=1))
+    return payload
+
+
+def write_report(payload: dict, json_path: Path, report: Path) -> None:
+    """The section and the figure, from the JSON's summary alone."""
+    plot_horizons(payload["summary"], json_path.parent / "scape99_horizons.png")
+    rel = os.path.relpath(json_path.parent, report.parent)
+    text = report.read_text() if report.exists() else "# Quality on real text\n"
+    sq.write_atomic(report, doc_sections.replace_section(
+        text, "study_horizons", render_horizons(payload["summary"], rel), str(report), append=True))
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def parse(argv=None):
+    a = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("--stage", choices=["tune", "horizons", "all"], default="all")
+    a.add_argument("--only", nargs="*", choices=list(SETTINGS), help="settings to run now")
+    a.add_argument("--max-runs", type=int, default=0)
+    a.add_argument("--dry-run", action="store_true")
+    a.add_argument("--report-only", action="store_true")
+    a.add_argument("--shape", choices=list(sq.SHAPES), default=s99.SHAPE)
+    a.add_argument("--ranks", type=int, default=4)
+    a.add_argument("--horizons", type=int, nargs="+", default=list(HORIZONS))
+    a.add_argument("--tune-steps", type=int, default=TUNE_STEPS)
+    a.add_argument("--lr-factors", type=float, nargs="+", default=list(LR_FACTORS))
+    a.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    a.add_argument("--seeds", type=int, default=None, help="at most this many seeds per setting")
+    a.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY)
+    a.add_argument("--out-dir", default=str(REPO / "outputs" / "study_horizons"))
+    a.add_argument("--json", default=str(REPO / "docs" / "figures" / "scape99_horizons.json"))
+    a.add_argument("--report", default=str(REPO / "docs" / "quality.md"))
+    a.add_argument("--extra", nargs="*", default=["trainer.dist_timeout_s=3600"])
+    return a.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    p = Plan(shape=a.shape, ranks=a.ranks, horizons=tuple(sorted(a.horizons)),
+             tune_steps=a.tune_steps, lr_factors=tuple(a.lr_factors), settings=tuple(a.settings),
+             seeds=a.seeds)
+    json_path, runs_dir = Path(a.json), Path(a.out_dir) / "runs"
+    results = {**sq.json_runs(json_path), **s99.load(runs_dir)} if runs_dir.exists() \
+        else sq.json_runs(json_path)
+    if a.report_only:
+        if not json_path.exists():
+            print(f"{json_path} does not exist: run the study first", file=sys.stderr)
+            return 1
+        write_report(json.loads(json_path.read_text()), json_path, Path(a.report))
+        print(f"wrote {a.report} and {json_path.parent / 'scape99_horizons.png'}")
+        return 0
+    planned = plan(results, p)
+
+    def todo():
+        return [(r, ok) for r, ok in planned if r.id(p.shape) not in results
+                and (a.stage == "all" or r.stage == a.stage) and (not a.only or r.setting in a.only)]
+    left = todo()
+    total = sum(estimate_s(r) for r, _ in planned if r.id(p.shape) not in results)
+    print(f"plan: {len(planned)} runs, {len(planned) - sum(1 for r, _ in planned if r.id(p.shape) not in results)} "
+          f"finished; the rest about {total / 3600:.1f} h on this machine; this selection "
+          f"{len(left)} runs, {sum(estimate_s(r) for r, _ in left) / 3600:.1f} h")
+    if a.dry_run:
+        for r, ok in planned:
+            state = "done" if r.id(p.shape) in results else ("ready" if ok else "waits for tuning")
+            print(f"  [{r.stage:8s}] {r.id(p.shape):40s} {state:17s} ~{estimate_s(r) / 60:.0f} min")
+        return 0
+    lock = sq.study_lock(runs_dir, "study_horizons.py")
+    if lock is None:
+        return 1
+    params = study_params(p.shape)
+    with lock:
+        ran = 0
+        while True:
+            ready = [r for r, ok in todo() if ok]
+            if not ready or (a.max_runs and ran >= a.max_runs):
+                break
+            run = ready[0]
+            res = s99.execute(run.candidate, run.seed, run.steps, p.ranks, runs_dir, a.extra,
+                              p.shape, a.checkpoint_every)
+            results[res["id"]] = {**res, "stage": run.stage}
+            sq.write_atomic(runs_dir / res["id"] / "result.json",
+                            json.dumps(results[res["id"]], indent=1))
+            ran += 1
+            planned = plan(results, p)
+            write_json(results, p, json_path, params)
+        write_json(results, p, json_path, params)
+    print(f"ran {ran} runs; wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sq.cli(main)

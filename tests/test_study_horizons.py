@@ -1,0 +1,186 @@
+"""``scripts/study_horizons.py``: the plan (tuning, then every horizon at the winner), the report
+from records alone (gaps per horizon, tokens per parameter, the power-law fit and why none is
+read), and a study run killed after a checkpoint that resumes to the uninterrupted final loss."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import study_horizons as sh  # noqa: E402
+
+sq = sh.sq     # the study's own module (another test file may load its own copy)
+
+COMMIT = "0123abc"
+PARAMS, TOKENS = 1_000_000, 1000       # 1 token per parameter per 1000 steps
+
+
+def _rec(setting: str, lr: float, seed: int, steps: int, loss: float, sent: int = 1000) -> dict:
+    run = sh.HRun(setting, lr, seed, steps, "tune")
+    return {"id": run.id("study"), "candidate": setting, "label": setting, "lr": lr, "seed": seed,
+            "steps": steps, "shape": "study", "final_val_loss": loss, "diverged": False,
+            "sent_bytes": sent, "val_loss": [[steps, loss]], "commit": COMMIT, "dirty": False}
+
+
+def _tuned(results: dict, p: sh.Plan, best: dict[str, float]) -> None:
+    for name in p.settings:
+        for lr in sh.lr_grid(name, p.lr_factors):
+            r = _rec(name, lr, 0, p.tune_steps, 5.0 - (0.1 if math.isclose(lr, best[name]) else 0))
+            results[r["id"]] = r
+
+
+def test_plan_tunes_first_then_runs_every_horizon_at_the_winner():
+    p = sh.Plan(settings=("adams", "scape99", "f_fp8_e4m3_d10", "diloco_h30"))
+    planned = sh.plan({}, p)
+    tune = [r for r, ok in planned if r.stage == "tune"]
+    assert len(tune) == 4 * 3 and all(ok for r, ok in planned if r.stage == "tune")
+    assert not any(ok for r, ok in planned if r.stage == "horizons")
+    assert {r.lr for r in tune if r.setting == "adams"} == {5e-4, 1e-3, 2e-3}
+    results = {}
+    _tuned(results, p, {"adams": 2e-3, "scape99": 2e-3, "f_fp8_e4m3_d10": 2e-3,
+                        "diloco_h30": 1e-3})
+    planned = sh.plan(results, p)
+    hz = [r for r, _ in planned if r.stage == "horizons"]
+    assert all(ok for _, ok in planned)
+    # 3 seeds x 3 horizons for AdamS and SCAPE-99, seed 0 for the recommended setting, less the
+    # tuning's own 10000-step seed-0 runs; DiLoCo only at the tuning horizon
+    assert len(hz) == 2 * (9 - 1) + (3 - 1) and not any(r.setting == "diloco_h30" for r in hz)
+    assert {r.lr for r in hz if r.setting == "scape99"} == {2e-3}
+    assert {(r.steps, r.seed) for r in hz if r.setting == "adams"} == \
+        {(h, k) for h in (3000, 10000, 30000) for k in range(3)} - {(10000, 0)}
+    # the study's estimate: many hours on 2 cores (a 30000-step run is about 40 minutes)
+    assert 20 * 60 < sh.estimate_s(sh.HRun("adams", 1e-3, 0, 30000, "horizons")) < 90 * 60
+
+
+def _with_horizons(gaps: dict[int, list[float]]) -> tuple[dict, sh.Plan]:
+    p = sh.Plan(settings=("adams", "scape99", "f_fp8_e4m3_d10"), horizons=tuple(gaps))
+    results = {}
+    _tuned(results, p, {"adams": 1e-3, "scape99": 4e-3, "f_fp8_e4m3_d10": 2e-3})
+    for steps, diffs in gaps.items():
+        for seed, d in enumerate(diffs):
+            base = 4.0 - 0.01 * seed
+            for name, lr, loss in (("adams", 1e-3, base), ("scape99", 4e-3, base + d)):
+                if steps == p.tune_steps and seed == 0:
+                    r = results[_rec(name, lr, 0, steps, 0).__getitem__("id")]
+                    r["final_val_loss"] = loss
+                    continue
+                r = _rec(name, lr, seed, steps, loss)
+                results[r["id"]] = r
+    return results, p
+
+
+def test_summary_gaps_tokens_per_param_and_a_power_law_fit(tmp_path):
+    # the gap falls as 2 x^(-1/2) with x = steps/1000 tokens per parameter, seeds spread +-0.01
+    law = {h: 2 * (h / 1000) ** -0.5 for h in (3000, 10000, 30000)}
+    results, p = _with_horizons({h: [g - 0.01, g, g + 0.01] for h, g in law.items()})
+    s = sh.horizon_summary(results, PARAMS, TOKENS, p)
+    assert s["tune"]["scape99"]["best"] == 4e-3 and not s["tune"]["scape99"]["at_edge"]
+    g = s["gaps"]["scape99"]
+    assert sorted(g) == ["10000", "3000", "30000"]
+    assert g["3000"]["n"] == 3 and g["3000"]["tokens_per_param"] == 3.0
+    assert abs(g["30000"]["mean"] - law[30000]) < 1e-12 and g["30000"]["commit"] == COMMIT
+    f = s["fit"]
+    assert f["ok"] and abs(f["b"] - 0.5) < 1e-9 and abs(f["a"] - 2.0) < 1e-9
+    assert f["b_lo"] < 0.5 < f["b_hi"]
+    # 2 x^(-1/2) = 0.04 at x = 2500 tokens per parameter = 2.5M steps of 1000 tokens
+    assert abs(f["x_margin"] - 2500) < 1e-6 and abs(f["steps_margin"] - 2.5e6) < 1e-3
+    lo, hi = f["steps_margin_range"]
+    assert lo < 2.5e6 < hi
+    text = sh.render_horizons(s, "figures")
+    assert text.startswith(sh.H_BEGIN) and text.rstrip().endswith(sh.H_END)
+    assert "| SCAPE-99 (fp32, geometric 10%) (`scape99`) | 30,000 | 30.0 | 3 |" in text
+    assert "b = 0.500 [" in text and "2500 tokens per parameter, 2,500,000 steps" in text
+    # JSON in, markdown and figure out
+    payload = sh.write_json(results, p, tmp_path / "figures" / "h.json", PARAMS)
+    report = tmp_path / "quality.md"
+    report.write_text("# Quality\n\nkept\n")
+    sh.write_report(json.loads((tmp_path / "figures" / "h.json").read_text()),
+                    tmp_path / "figures" / "h.json", report)
+    assert report.read_text().startswith("# Quality\n\nkept\n")
+    assert payload["summary"]["tokens_per_step"] == 4 * 4 * 64        # the study's
+    assert abs(payload["summary"]["fit"]["b"] - 0.5) < 1e-9
+    assert (tmp_path / "figures" / "scape99_horizons.png").stat().st_size > 0
+
+
+def test_no_trend_is_read_from_two_horizons_or_a_closed_gap():
+    results, p = _with_horizons({3000: [0.3, 0.31, 0.29], 10000: [0.2, 0.21, 0.19]})
+    f = sh.horizon_summary(results, PARAMS, TOKENS, p)["fit"]
+    assert not f["ok"] and "2 horizon(s)" in f["why"]
+    results, p = _with_horizons({3000: [0.3, 0.31, 0.29], 10000: [0.1, 0.11, 0.09],
+                                 30000: [-0.01, 0.0, -0.02]})
+    s = sh.horizon_summary(results, PARAMS, TOKENS, p)
+    assert not s["fit"]["ok"] and "not positive at 30 tokens/param" in s["fit"]["why"]
+    assert "No power law is fitted to SCAPE-99's gap: the gap is not positive" in \
+        sh.render_horizons(s, "figures")
+
+
+def test_a_summary_before_any_run_or_without_the_baseline_says_so():
+    s = sh.horizon_summary({}, PARAMS, TOKENS, sh.Plan(settings=("scape99",)))
+    assert s["gaps"] == {} and not s["fit"]["ok"] and s["frontier"] == []
+    assert "not run" in sh.render_horizons(s, "figures")
+
+
+def test_pairing_across_commits_is_refused_in_the_horizon_summary():
+    results, p = _with_horizons({3000: [0.3, 0.31, 0.29]})
+    rid = sh.HRun("adams", 1e-3, 1, 3000, "horizons").id("study")
+    results[rid] = {**results[rid], "commit": "fedcba9"}
+    with pytest.raises(sq.MixedCommitsError, match=f"fedcba9: {rid}"):
+        sh.horizon_summary(results, PARAMS, TOKENS, p)
+
+
+# ------------------------------------------------------------------ a killed study resumes
+
+
+def _study(out: Path, tok: Path) -> list[str]:
+    return [sys.executable, str(REPO / "scripts" / "study_horizons.py"), "--shape", "tiny",
+            "--ranks", "2", "--horizons", "8", "--tune-steps", "8", "--lr-factors", "1",
+            "--settings", "scape99", "--seeds", "1", "--checkpoint-every", "2",
+            "--out-dir", str(out), "--json", str(out / "h.json"),
+            "--extra", f"data.tokenizer.cache_dir={tok}"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_killed_study_run_resumes_to_the_uninterrupted_final_loss(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    tok = tmp_path / "tok"
+    whole = subprocess.run(_study(tmp_path / "whole", tok), env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    rid = sh.HRun("scape99", 4e-3, 0, 8, "tune").id("tiny")
+    want = json.loads((tmp_path / "whole" / "runs" / rid / "result.json").read_text())
+    # killed (the whole process group, SIGKILL) once the step-2 checkpoint is complete: every
+    # save is slowed so that the kill lands before the run ends
+    run_dir = tmp_path / "cut" / "runs" / rid
+    first = run_dir / "train" / "checkpoints" / "step_00000002" / "manifest.json"
+    proc = subprocess.Popen(_study(tmp_path / "cut", tok), start_new_session=True,
+                            env={**env, "SCAPE_FAULT_SAVE_DELAY_S": "3"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert first.exists() and not (run_dir / "result.json").exists()
+    again = subprocess.run(_study(tmp_path / "cut", tok), env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    got = json.loads((run_dir / "result.json").read_text())
+    assert "resum" in (run_dir / "train.log").read_text().lower()
+    assert got["final_val_loss"] == want["final_val_loss"]        # bit-equal
+    assert got["val_loss"] == want["val_loss"] and got["sent_bytes"] == want["sent_bytes"]
+    assert got["commit"] == sq.code_state()["commit"] and "resume=auto" in got["command"]
+    # a finished run is skipped
+    third = subprocess.run(_study(tmp_path / "cut", tok), env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert third.returncode == 0 and "ran 0 runs" in third.stdout
