@@ -247,9 +247,9 @@ def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
            f"logging.wandb.mode must be online|offline|disabled, got {cfg.logging.wandb.mode!r}")
     _check(cfg.resume == "none" or cfg.resume == "auto" or len(cfg.resume) > 0,
            "resume must be none, auto or a checkpoint directory")
-    for parse in (parse_policy, parse_compile):
+    for parse, value in ((parse_policy, t.activation_checkpointing), (parse_compile, t.compile)):
         try:
-            parse(t.activation_checkpointing if parse is parse_policy else t.compile)
+            parse(value)
         except ValueError as exc:
             problems.append(str(exc))
     _check(t.loss_chunk_tokens >= 0,
