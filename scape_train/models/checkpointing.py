@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 POLICIES = ("none", "selective", "full")            # less memory and more recompute, in order
 CHOICES = (*POLICIES, "auto")
-# the spellings of the boolean setting this replaces (YAML true/false, Hydra's str of a bool)
+# the boolean spellings (YAML true/false, or Hydra's str of a bool) mean full and none
 LEGACY = {"true": "full", "false": "none"}
 
 

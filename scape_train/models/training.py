@@ -37,9 +37,12 @@ def compile_enabled(value: object, device: torch.device | str) -> bool:
 
 
 def keep_one_graph_per_recompute() -> None:
-    """Dynamo checks a frame's compiled graphs most-recently-used first; a checkpoint's recompute
-    re-entering a compiled frame could then run another graph than its forward did (other shapes
-    or strides: a CheckpointError). Checking them in creation order keeps the forward's."""
+    """Dynamo checks a frame's compiled graphs most-recently-used first; a recompute that enters a
+    compiled frame again (an eager checkpoint around compiled code, as a graph break inside a
+    block makes) could then run another graph than its forward did (other shapes or strides: a
+    CheckpointError). Checking them in creation order keeps the forward's. With the checkpoint
+    inside the compiled block the recompute runs in the compiled backward and enters no frame;
+    this keeps a graph break from reopening that failure. Absent before torch 2.10: skipped."""
     set_lru = getattr(torch._C._dynamo.eval_frame, "_set_lru_cache", None)
     if set_lru is not None:
         set_lru(False)
