@@ -26,13 +26,13 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 POLICIES = ("none", "selective", "full")            # less memory and more recompute, in order
 CHOICES = (*POLICIES, "auto")
 # the boolean spellings (YAML true/false, or Hydra's str of a bool) mean full and none
-LEGACY = {"true": "full", "false": "none"}
+BOOLEANS = {"true": "full", "false": "none"}
 
 
 def parse_policy(value: object) -> str:
     """``trainer.activation_checkpointing`` as one of CHOICES; true/false mean full/none."""
     text = str(value).strip().lower()
-    text = LEGACY.get(text, text)
+    text = BOOLEANS.get(text, text)
     if text not in CHOICES:
         raise ValueError(
             f"trainer.activation_checkpointing must be none|full|selective|auto (true/false: "
