@@ -41,8 +41,12 @@ class TrainerConfig:
     checkpoint_every: int = 200       # 0 = only at the end
     keep_last: int = 3                # checkpoints kept (older ones are pruned)
     precision: str = "auto"           # auto (bf16 where supported, GPU) | fp32 | bf16
-    compile: bool = False             # torch.compile the model
-    activation_checkpointing: bool = False  # recompute each block in backward (less memory)
+    compile: str = "auto"             # auto (CUDA only) | true | false: compile each block, the loss
+    # none | selective | full | auto (the memory plan picks the least recompute that fits);
+    # true/false = full/none. Trade-offs: scape_train/models/checkpointing.py
+    activation_checkpointing: str = "none"
+    loss_chunk_tokens: int = 8192     # micro-batches of more tokens get the loss chunk by chunk,
+                                      # never all logits at once (models/loss.py); 0 = never
     seed: int = 1337                  # model init and dropout (data order: data.seed)
     deterministic: bool = False       # torch.use_deterministic_algorithms (slower)
     device: str = "auto"              # auto | cpu | cuda
@@ -208,6 +212,9 @@ def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
         if not cond:
             problems.append(msg)
 
+    from scape_train.models.checkpointing import parse_policy
+    from scape_train.models.training import parse_compile
+
     t, m, d, o = cfg.trainer, cfg.model, cfg.data, cfg.optimizer
     _check(t.max_steps > 0, f"trainer.max_steps must be > 0, got {t.max_steps}")
     _check(t.micro_batch_size > 0, f"trainer.micro_batch_size must be > 0, got {t.micro_batch_size}")
@@ -240,6 +247,13 @@ def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
            f"logging.wandb.mode must be online|offline|disabled, got {cfg.logging.wandb.mode!r}")
     _check(cfg.resume == "none" or cfg.resume == "auto" or len(cfg.resume) > 0,
            "resume must be none, auto or a checkpoint directory")
+    for parse, value in ((parse_policy, t.activation_checkpointing), (parse_compile, t.compile)):
+        try:
+            parse(value)
+        except ValueError as exc:
+            problems.append(str(exc))
+    _check(t.loss_chunk_tokens >= 0,
+           f"trainer.loss_chunk_tokens must be >= 0 (0 = the full logits), got {t.loss_chunk_tokens}")
     _check(t.max_nan_skips >= 0, f"trainer.max_nan_skips must be >= 0, got {t.max_nan_skips}")
     _check(t.num_threads >= 0, f"trainer.num_threads must be >= 0 (0 = torch's default), got {t.num_threads}")
     _check(t.sample_tokens >= 0, f"trainer.sample_tokens must be >= 0 (0 = no sample), got {t.sample_tokens}")

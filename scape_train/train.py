@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from scape_train import distributed as D
@@ -32,7 +31,7 @@ from scape_train.config import Config, ConfigError, grad_accum_steps, validate
 from scape_train.host_to_device import upload
 from scape_train.metrics import (MetricsLogger, StepTimer, memory_metrics, peak_flops,
                                  plot_loss_curve, read_on_host)
-from scape_train.plan.check import check_memory
+from scape_train.plan.check import check_memory, resolve_checkpointing
 from scape_train.preemption import StopSignal, warn_if_save_outlasts_the_agent
 from scape_train.rng import get_rng_state, seed_everything, set_rng_state
 from scape_train.schedule import lr_at
@@ -93,9 +92,8 @@ def evaluate(model, batches, autocast, info: D.DistInfo, limit: int = 0) -> floa
             if limit and i >= limit:
                 break
             x, y = x.to(info.device), y.to(info.device)
-            with autocast():
-                logits = model(x)
-            total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            with autocast():   # the training loss, chunked as configured: no B x T x V logits
+                total += model(x, targets=y).double() * y.numel()
             count += y.numel()
     model.train(was_training)
     total, count = info.comm.reduce_scalars([total, count]).tolist()
@@ -116,6 +114,8 @@ class Trainer:
 
         check_preconditions(cfg, self.info)   # every cheap check, reported together; writes nothing
         validate(cfg, self.info.world_size)
+        # activation_checkpointing=auto: the policy the memory plan picks for this device
+        self.cfg = cfg = resolve_checkpointing(cfg, self.info)
         # the memory plan: refuse what cannot fit, before any work (kept for the start-up summary)
         self.memory_plan = check_memory(cfg, self.info)
         self.accum = grad_accum_steps(cfg, self.info.world_size)
@@ -156,7 +156,8 @@ class Trainer:
 
     def _build(self) -> None:
         from scape_train.data import build_tokenizer, build_train_loader, build_val_batches
-        from scape_train.models import apply_activation_checkpointing, build_model
+        from scape_train.models import build_model
+        from scape_train.models.training import compile_enabled, prepare_for_training
         from scape_train.optim import build_optimizer
 
         cfg, info = self.cfg, self.info
@@ -184,12 +185,10 @@ class Trainer:
                                              info.rank, info.world_size)
         self.state = TrainState()
         self._maybe_resume()
-        fwd_model = self.model
-        if cfg.trainer.activation_checkpointing:
-            apply_activation_checkpointing(fwd_model)
-        if cfg.trainer.compile:
-            fwd_model = torch.compile(fwd_model)
-        self.fwd_model = self.strategy.wrap_model(fwd_model)
+        t = cfg.trainer   # checkpoint-wrap, then compile, each block; the loss's chunking
+        prepare_for_training(self.model, t.activation_checkpointing,
+                             compile_enabled(t.compile, info.device), t.loss_chunk_tokens)
+        self.fwd_model = self.strategy.wrap_model(self.model)
         self.autocast = autocast_context(cfg, info.device)
         self.tokens_per_step = (cfg.trainer.micro_batch_size * self.accum * info.world_size
                                 * cfg.data.seq_len)

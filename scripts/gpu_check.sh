@@ -18,5 +18,5 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="/tmp/scape_site:${PYTHONPATH:-}"
 fi
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
-# the checks stop themselves by 330 s (gpu_check.py: DEADLINE_S); this is the backstop
-exec timeout --kill-after=5 350 "$PY" scripts/gpu_check.py "$@"
+# the checks stop themselves by 340 s (gpu_check.py: DEADLINE_S); this is the backstop
+exec timeout --kill-after=5 352 "$PY" scripts/gpu_check.py "$@"

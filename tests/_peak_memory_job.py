@@ -3,7 +3,7 @@
     python -m tests._peak_memory_job KEY=VALUE ...      # overrides of the trainer's config
 
 Builds the model and the optimizer strategy as the trainer does (``build_model``,
-``build_optimizer``, the trainer's ``apply_activation_checkpointing`` and ``autocast_context``),
+``build_optimizer``, the trainer's ``prepare_for_training`` and ``autocast_context``),
 then runs two optimizer steps with the trainer's own loop body (so that its locals
 live as long as they do there) and one ``state_dict()`` (the checkpoint's copies); random tokens,
 no data pipeline. Prints one JSON line: ``peak`` = the kernel's peak resident set (VmHWM) minus the
@@ -23,7 +23,7 @@ import torch
 from scape_train.config import Config, grad_accum_steps
 from scape_train.models import build_model
 from scape_train.optim import build_optimizer
-from scape_train.models import apply_activation_checkpointing
+from scape_train.models.training import prepare_for_training
 from scape_train.train import autocast_context
 from tests.helpers import compose_config
 
@@ -41,8 +41,8 @@ def run_steps(cfg: Config, steps: int) -> None:
     vocab = cfg.model.vocab_size or cfg.data.tokenizer.vocab_size
     model = build_model(cfg.model, vocab_size=vocab, device=device)
     strategy = build_optimizer(cfg.optimizer, model)
-    if t.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    prepare_for_training(model, t.activation_checkpointing, compile=False,
+                         loss_chunk_tokens=t.loss_chunk_tokens)
     autocast, accum = autocast_context(cfg, device), grad_accum_steps(cfg, 1)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):   # the body of Trainer.train_step, minus metrics and data loading

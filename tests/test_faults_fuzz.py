@@ -54,6 +54,9 @@ BAD: dict[str, st.SearchStrategy] = {
     "trainer.keep_last": nonpos,
     "trainer.dist_timeout_s": nonpos,
     "trainer.num_threads": neg,
+    "trainer.compile": text,
+    "trainer.activation_checkpointing": text,
+    "trainer.loss_chunk_tokens": neg,
     "model.arch": text,
     "model.n_layers": nonpos,
     "model.d_model": nonpos,
@@ -101,7 +104,7 @@ NEEDS = {"strategy.topology": ["strategy=gasloc"], "strategy.outer_lr": ["strate
          "model.n_kv_heads": ["model.n_heads=4"]}
 # value types Hydra must refuse at composition (a string for a number, and so on)
 WRONG_TYPE = st.sampled_from([("trainer.max_steps", "many"), ("model.d_model", "wide"),
-                              ("optimizer.lr", "fast"), ("trainer.compile", "maybe"),
+                              ("optimizer.lr", "fast"), ("trainer.loss_chunk_tokens", "many"),
                               ("data.seq_len", "1.5"), ("model.dropout", "none"),
                               ("trainer.no_such_key", "1"), ("optimizer.betas", "0.9")])
 

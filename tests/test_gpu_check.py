@@ -24,8 +24,8 @@ def test_dry_run_lists_every_check_with_its_limit_most_valuable_first():
     assert all(rows), proc.stdout
     limits = {m.group(1): int(m.group(2)) for m in rows}
     total = limits.pop("deadline")
-    assert list(limits) == ["scape_vs_adams_step", "train_throughput", "memory_plan",
-                            "triton_vs_torch", "offload", "env", "overlap_trace"]
+    assert list(limits) == ["scape_vs_adams_step", "train_throughput", "trainer_overhead",
+                            "memory_plan", "triton_vs_torch", "offload", "env", "overlap_trace"]
     # one H200 lease: the checks stop themselves within 6 minutes, the backstop included
     backstop = int(re.search(r"timeout --kill-after=(\d+) (\d+)",
                              (REPO / "scripts" / "gpu_check.sh").read_text()).group(2))
@@ -49,11 +49,12 @@ def test_a_check_past_its_limit_is_killed_and_the_next_one_runs(tmp_path):
 def test_smoke_runs_the_cpu_capable_checks(tmp_path):
     """Toy sizes on the CPU (Triton interpreted), with limits a loaded 2-core machine meets."""
     proc = subprocess.run([sys.executable, GPU_CHECK, "--smoke", "--out", str(tmp_path),
-                           "--only", "scape_vs_adams_step,train_throughput,memory_plan,"
-                           "triton_vs_torch,offload,env", "--deadline", "900",
-                           "--limits", "scape_vs_adams_step=240,train_throughput=240,"
-                           "memory_plan=120,triton_vs_torch=120,offload=60,env=60"],
-                          capture_output=True, text=True, timeout=960)
+                           "--only", "scape_vs_adams_step,train_throughput,trainer_overhead,"
+                           "memory_plan,triton_vs_torch,offload,env", "--deadline", "1200",
+                           "--limits", "scape_vs_adams_step=240,train_throughput=300,"
+                           "trainer_overhead=200,memory_plan=120,triton_vs_torch=120,offload=60,"
+                           "env=60"],
+                          capture_output=True, text=True, timeout=1260)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["offload"]["w_equal"] and res["offload"]["residual_equal"]
@@ -61,9 +62,34 @@ def test_smoke_runs_the_cpu_capable_checks(tmp_path):
     for name in ("scape99", "adams"):
         assert len(step[name]["warmup_s"]) == 5 and step[name]["median_s"] > 0
         assert step[name]["counted_host_syncs_per_step"] == 0 and step[name]["launches_per_step"] > 0
-    for run in res["train_throughput"].values():
+        kernels = step[name]["kernels"]            # the profiler's top rows (CPU: operators)
+        assert 0 < len(kernels["top"]) <= 10 and kernels["top"][0]["ms"] > 0, kernels
+        assert step[name]["cuda_sync"] == {"skipped": "needs CUDA"}
+    runs = res["train_throughput"]
+    assert list(runs) == ["scape99", "adams", "scape99_selective"]
+    for run in runs.values():
         assert run["completed"] and run["tokens_per_s"] > 0 and run["mfu"] > 0, run
+    overhead = res["trainer_overhead"]
+    assert overhead["trainer"]["completed"] and overhead["bare_loop"]["tokens_per_s"] > 0, overhead
+    assert overhead["trainer_over_bare"] > 0
     assert all(p["estimate_gib"] > 0 for p in res["memory_plan"].values())
+    assert res["memory_plan"]["scape99_selective"]["activation_checkpointing"] == "selective"
     assert res["triton_vs_torch"]["ok"], res["triton_vs_torch"]
     assert (tmp_path / "gpu.md").read_text().startswith("# GPU check")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.md", "gpu_check.json"]
+
+
+def test_a_synchronizing_call_is_named_by_its_innermost_project_frame():
+    """``first_cuda_sync`` reports where CUDA's error mode raised: file, line, function, code."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from gpu_measure import sync_site
+
+    def reads_a_value():
+        raise RuntimeError("called a synchronizing CUDA operation")
+
+    try:
+        reads_a_value()
+    except RuntimeError as exc:
+        where = sync_site(exc)
+    assert re.fullmatch(r"tests/test_gpu_check\.py:\d+ in reads_a_value: raise RuntimeError\(.*",
+                        where), where

@@ -188,6 +188,17 @@ def test_activation_checkpointing_and_bf16_autocast_train(tmp_path, tok_cache):
     assert keys == final_model(tmp_path / "plain").keys()  # parameter names unchanged by AC
 
 
+def test_compile_with_activation_checkpointing_trains_in_bf16(tmp_path, tok_cache):
+    """torch.compile and activation checkpointing together (the shipped 500M presets on a GPU):
+    each block is checkpointed, then compiled; the run trains and its loss falls."""
+    run(job(tmp_path, tok_cache, "trainer.max_steps=6", "trainer.precision=bf16",
+            "trainer.compile=true", "trainer.activation_checkpointing=true",
+            "trainer.sample_tokens=0"))
+    curve = losses(tmp_path)
+    assert len(curve) == 6 and all(math.isfinite(v) for v in curve.values())
+    assert curve[6] < curve[1]
+
+
 @pytest.mark.slow
 def test_torch_compile_matches_eager(tmp_path, tok_cache):
     run(job(tmp_path / "eager", tok_cache, "trainer.max_steps=2"))

@@ -7,7 +7,6 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
 from scape_train.models.config import ModelConfig
 from scape_train.models.gpt import GPT
@@ -110,11 +109,3 @@ def build_model(
         model.to_empty(device=device)
         model.init_weights()
     return model
-
-
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each block in backward; the composable API keeps parameter names unchanged."""
-    from torch.distributed._composable import checkpoint
-
-    for block in model.layers:
-        checkpoint(block)

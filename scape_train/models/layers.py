@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from scape_train.models.cache import KVCache, LayerCache
 from scape_train.models.config import ModelConfig
+from scape_train.models.loss import chunk_loss_and_grad, linear_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -206,6 +207,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = cfg.vocab_size  # the tokenizer's vocab; rows beyond it are padding
+        # How the training loss is computed (not the model's shape, so not in ModelConfig): the
+        # trainer sets them from its config (models/training.py); 0 = over the full logits.
+        self.loss_chunk_tokens = 0
+        self.loss_chunk_fn = chunk_loss_and_grad
 
     def _check_input(self, input_ids: torch.Tensor) -> int:
         if input_ids.dim() != 2:
@@ -221,27 +226,16 @@ class CausalLM(nn.Module):
     def _logits(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The head over the padded width (aligned GEMM rows: an odd width like GPT-2's 50257
         makes the matmul and the softmax measurably slower, on CPUs too); the padded columns
-        are sliced off for consumers, or masked for the loss (``_loss``)."""
+        are sliced off for consumers, or masked for the loss. With ``targets``, the mean loss
+        (``models/loss.py``: chunk by chunk when the tokens exceed ``loss_chunk_tokens``)."""
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(h, weight)
         if targets is not None:
-            return self._loss(logits, targets)
+            return linear_cross_entropy(h, weight, targets, self.vocab_size,
+                                        self.loss_chunk_tokens, self.loss_chunk_fn)
+        logits = F.linear(h, weight)
         if logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size]    # out of every consumer's argmax
         return logits
-
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over the real vocab, read from the padded logits: the padded
-        columns are set to -inf in place (B x T x pad elements), so the softmax gives them 0
-        -- the loss of the sliced logits, without the [B, T, V] copy a strided slice costs the
-        loss and its backward. Computed in fp32 (the logits may be bf16 under autocast)."""
-        if logits.shape[-1] != self.vocab_size:
-            # Outside autograd: recorded, the fill's backward would clone the whole [B, T, V]
-            # gradient. Unrecorded, the loss's gradient at the masked columns is softmax = 0,
-            # which is the true gradient there (the loss does not depend on them).
-            with torch.no_grad():
-                logits[..., self.vocab_size:] = float("-inf")
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -50,7 +50,7 @@ class Llama(CausalLM):
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab]; with ``targets`` [B, T], the mean next-token loss instead
-        (``CausalLM._loss``: the training path). With ``cache`` (incremental decoding, ``models/cache.py``) only
+        (``models/loss.py``: the training path). With ``cache`` (incremental decoding, ``models/cache.py``) only
         the new tokens are fed; their rotary positions continue from the cache's length."""
         t = self._check_input(input_ids)
         if cache is not None:

@@ -16,7 +16,8 @@ from scape_train import distributed as D
 from scape_train.config import Config, ConfigError
 from scape_train.plan.config import PlanConfig
 from scape_train.plan.devices import DEVICE_NAMES, DeviceSpec, resolve_device
-from scape_train.plan.estimate import MemoryPlan, plan_memory
+from scape_train.plan.estimate import (MemoryPlan, checkpointing_of, choose_checkpointing,
+                                       plan_memory, with_checkpointing)
 
 log = logging.getLogger("scape_train.plan")
 
@@ -72,3 +73,19 @@ def check_memory(cfg: Config, info: D.DistInfo) -> MemoryPlan | None:
     if message is not None:
         raise ConfigError(message)
     return plan
+
+
+def resolve_checkpointing(cfg: Config, info: D.DistInfo) -> Config:
+    """``cfg`` with ``trainer.activation_checkpointing=auto`` replaced by the policy the memory plan
+    picks for this device (``estimate.choose_checkpointing``; rank 0 plans, every rank gets its
+    choice); any other value is returned as it is, spelled none|selective|full."""
+    policy = checkpointing_of(cfg)
+    if policy == "auto":
+        choice = None
+        if info.is_main:
+            world = cfg.plan.world_size or info.world_size
+            device = device_for(cfg.plan, world, info.device.type, info.device.index)
+            choice = choose_checkpointing(cfg, world, device).activation_checkpointing
+            log.info("activation checkpointing auto: %s (memory plan on %s)", choice, device.name)
+        policy = D.broadcast_object(choice, info)
+    return with_checkpointing(cfg, policy)

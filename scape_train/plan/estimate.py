@@ -39,7 +39,7 @@ class MemoryPlan:
     accum: int
     seq_len: int
     precision: str                    # "bf16" | "fp32" (autocast resolved for the device)
-    activation_checkpointing: bool
+    activation_checkpointing: str     # none | selective | full (auto resolved: choose_checkpointing)
     rows: list[Row]
     host: list[tuple[str, int]] = field(default_factory=list)
     traced: bool = True               # False: the forward/backward column is the closed-form bound
@@ -82,12 +82,45 @@ def uses_bf16(cfg: Config, device: DeviceSpec) -> bool:
     return p == "bf16" or (p == "auto" and device.on_gpu)
 
 
+def checkpointing_of(cfg: Config) -> str:
+    """``trainer.activation_checkpointing`` as none|selective|full|auto."""
+    from scape_train.models.checkpointing import parse_policy
+
+    return parse_policy(cfg.trainer.activation_checkpointing)
+
+
+def with_checkpointing(cfg: Config, policy: str) -> Config:
+    return replace(cfg, trainer=replace(cfg.trainer, activation_checkpointing=policy))
+
+
+def _saved_per_block(policy: str, d: int, kv: int, f: int, h: int, e: int, block: int) -> int:
+    """Bytes per token a block keeps for backward under ``policy`` (models/checkpointing.py):
+    full keeps its fp32 input; selective adds its GEMM outputs (q/k/v, wo, gate, up, down) and
+    attention's output and log-sum-exp; none keeps (at most) everything its forward made."""
+    if policy == "full":
+        return 4 * d
+    if policy == "selective":
+        return 4 * d + e * (4 * d + 2 * kv + 2 * f) + 4 * h
+    return block
+
+
+def _logits_bound(tokens: int, v: int, d: int, e: int, chunk: int) -> tuple[int, int]:
+    """(peak, held after backward) of the head and the loss (models/loss.py). Full logits: the
+    logits, their fp32 copy and gradients, the loss internals; the logits stay referenced until
+    the next forward. Chunked: one chunk's logits chain, the hidden states' gradient (fp32 and
+    the chunk's), the head weight in the compute dtype and its fp32 gradient sum; nothing held."""
+    if chunk <= 0 or tokens <= chunk:
+        return tokens * v * (16 + 2 * e), tokens * (v * e + 16)
+    return chunk * v * (16 + 2 * e) + tokens * d * (4 + e) + v * d * (8 + 2 * e), tokens * 16
+
+
 def activation_bound(cfg: Config, vocab: int, bf16: bool, on_gpu: bool, accum: int,
                      n_params: int, param_bytes: int) -> MicroBatchTrace:
     """A closed-form upper bound of ``trace_micro_batch``: every tensor a block's forward produces
-    (not only those saved) for every block, the logits' whole forward and backward chain, one
-    block's backward temporaries, and the autocast weight copies. ``tests/test_plan.py`` checks
-    it against the trace."""
+    (not only those saved) for every block -- or what the checkpointing policy keeps of them plus
+    one block's recompute --, the logits' forward and backward chain, one block's backward
+    temporaries, and the autocast weight copies. ``tests/test_plan.py`` checks it against the
+    trace."""
     from scape_train.models.build import resolve_config
     from scape_train.models.layers import padded_vocab
 
@@ -101,12 +134,13 @@ def activation_bound(cfg: Config, vocab: int, bf16: bool, on_gpu: bool, accum: i
     gqa = m.n_kv_heads != m.n_heads
     if m.dropout > 0 or (on_gpu and not bf16 and gqa):          # the math kernel: B x H x T x T
         block += 3 * 4 * h * t
-    layers = (m.n_layers * 4 * d + block) if cfg.trainer.activation_checkpointing else m.n_layers * block
+    policy = checkpointing_of(cfg)
+    saved = _saved_per_block(policy, d, kv, f, h, e, block)
+    layers = m.n_layers * block if policy == "none" else m.n_layers * saved + block
     activations = tokens * (layers + 16 * d) + (e * n_params if bf16 else 0)
-    logits = tokens * v * (16 + 2 * e)
+    logits, held = _logits_bound(tokens, v, d, e, cfg.trainer.loss_chunk_tokens)
     backward = tokens * 4 * (4 * f + 4 * d)
     grads = param_bytes
-    held = tokens * (v * e + 16)                                # the logits, and x, y (int64)
     if accum > 1:   # the second micro-batch runs beside the first one's gradients and logits
         activations += held
     return MicroBatchTrace(params=param_bytes, grads=grads, peak=0, peak_grads=grads,
@@ -126,7 +160,7 @@ def _rows(params: int, opt: OptimizerMemory, fb: MicroBatchTrace, bf16: bool) ->
         rows.append(Row("gradients (fp32)", (fb.peak_grads, fb.grads, None)))
     rows.append(Row(f"activations of one micro-batch ({'bf16 autocast' if bf16 else 'fp32'})",
                     (fb.peak_activations, None, None)))
-    rows.append(Row("logits + loss (fp32 upcast; step: logits still held)",
+    rows.append(Row("logits + loss (fp32 upcast, or one chunk; step: logits still held)",
                     (fb.peak_logits, fb.held_after, None)))
     rows.append(Row("backward temporaries", (fb.peak_backward, None, None)))
     rows.append(Row(f"optimizer step transients ({opt.step_where})", (None, opt.step, None)))
@@ -138,7 +172,10 @@ def _rows(params: int, opt: OptimizerMemory, fb: MicroBatchTrace, bf16: bool) ->
 def plan_memory(cfg: Config, world_size: int, device: DeviceSpec, trace: bool | str = "auto",
                 label: str = "") -> MemoryPlan:
     """The plan of ``cfg`` on ``world_size`` ranks of ``device``. ``trace``: True = always trace
-    the forward/backward; "auto" = only when the closed-form bound does not already fit."""
+    the forward/backward; "auto" = only when the closed-form bound does not already fit.
+    ``activation_checkpointing=auto`` plans the policy ``choose_checkpointing`` picks."""
+    if checkpointing_of(cfg) == "auto":
+        return choose_checkpointing(cfg, world_size, device, trace, label)
     from scape_train.models.build import build_model
 
     vocab = planned_vocab(cfg)
@@ -151,8 +188,9 @@ def plan_memory(cfg: Config, world_size: int, device: DeviceSpec, trace: bool | 
     bf16 = uses_bf16(cfg, device)
     opt = optimizer_memory(cfg, meta, world_size, device.on_gpu)
     t = cfg.trainer
+    policy = checkpointing_of(cfg)
     plan = MemoryPlan(label or cfg.run_name, device, world_size, t.micro_batch_size, accum,
-                      cfg.data.seq_len, "bf16" if bf16 else "fp32", t.activation_checkpointing,
+                      cfg.data.seq_len, "bf16" if bf16 else "fp32", policy,
                       rows=[], host=list(opt.host))
     bound = activation_bound(cfg, vocab, bf16, device.on_gpu, accum, n_params, param_bytes)
     if trace == "auto":
@@ -164,6 +202,23 @@ def plan_memory(cfg: Config, world_size: int, device: DeviceSpec, trace: bool | 
     from scape_train.plan.trace import trace_micro_batch
 
     fb = trace_micro_batch(cfg.model, vocab, t.micro_batch_size, cfg.data.seq_len, bf16=bf16,
-                           activation_checkpointing=t.activation_checkpointing, accum=accum,
-                           on_gpu=device.on_gpu)
+                           activation_checkpointing=policy, accum=accum, on_gpu=device.on_gpu,
+                           loss_chunk_tokens=t.loss_chunk_tokens)
     return replace(plan, rows=_rows(fb.params, opt, fb, bf16), traced=True)
+
+
+def choose_checkpointing(cfg: Config, world_size: int, device: DeviceSpec,
+                         trace: bool | str = "auto", label: str = "") -> MemoryPlan:
+    """``activation_checkpointing=auto``: the plan of the first policy that fits, in order of
+    recompute -- none, selective, full --, or full's plan when none fits (which the trainer's
+    check then refuses, naming the change that fits). The chosen policy is the plan's
+    ``activation_checkpointing``."""
+    from scape_train.models.checkpointing import POLICIES
+
+    for policy in POLICIES:
+        plan = plan_memory(with_checkpointing(cfg, policy), world_size, device, trace, label)
+        if plan.fits:
+            break
+    plan.notes.append(f"activation checkpointing auto: {plan.activation_checkpointing}, "
+                      f"the least recompute {'that fits' if plan.fits else '(none fits)'}")
+    return plan

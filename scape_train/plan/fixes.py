@@ -1,7 +1,8 @@
 """The smallest config change that makes a plan fit, tried in a fixed order and re-planned each.
 
 Order (cheapest in step time first, the global batch always kept):
-    1. trainer.activation_checkpointing=true        (recompute each block in backward: ~+30% FLOPs)
+    1. trainer.activation_checkpointing=selective, then =full   (selective recomputes each block's
+       elementwise ops; full its whole forward: ~+30% FLOPs)
     2. + halving trainer.micro_batch_size, with gradient accumulation keeping global_batch_size
     3. SCAPE: + optimizer.offload_residuals=true, + optimizer.sharded=true, both; then with halving
 """
@@ -14,7 +15,7 @@ from typing import Any, Iterator
 
 from scape_train.config import Config
 from scape_train.plan.devices import DeviceSpec
-from scape_train.plan.estimate import MemoryPlan, plan_memory
+from scape_train.plan.estimate import MemoryPlan, checkpointing_of, plan_memory
 
 Change = list[tuple[str, Any]]
 
@@ -52,7 +53,14 @@ def _halvings(cfg: Config, world: int) -> Iterator[Change]:
 
 def candidates(cfg: Config, world: int) -> Iterator[Change]:
     """Every change to try, smallest first."""
-    ac: Change = [] if cfg.trainer.activation_checkpointing else [("trainer.activation_checkpointing", True)]
+    from scape_train.models.checkpointing import POLICIES
+
+    current = checkpointing_of(cfg)
+    stronger = POLICIES[POLICIES.index(current) + 1:] if current != "auto" else POLICIES[1:]
+    for policy in stronger[:-1]:
+        yield [("trainer.activation_checkpointing", policy)]
+    # the rest with the most saving policy (auto: already tried at start-up)
+    ac: Change = [("trainer.activation_checkpointing", "full")] if current != "full" else []
     if ac:
         yield ac
     for halve in _halvings(cfg, world):

@@ -19,8 +19,9 @@ def format_plan(plan: MemoryPlan) -> str:
            else "activations from the closed-form upper bound (fits even so; no trace needed)")
     lines = [f"memory plan: {plan.label} on {plan.world_size} rank(s) of {plan.device.name}; "
              f"micro-batch {plan.micro_batch_size} x {plan.seq_len} tokens{accum}, {plan.precision}, "
-             f"activation checkpointing {'on' if plan.activation_checkpointing else 'off'}",
+             f"activation checkpointing {plan.activation_checkpointing}",
              f"({how}; GiB per rank)"]
+    lines += [f"({note})" for note in plan.notes]
     width = max(len(r.name) for r in plan.rows) + 2
     lines.append(f"{'component':<{width}}" + "".join(f"{h:>12}" for h in HEADS))
     for row in plan.rows:

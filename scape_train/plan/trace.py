@@ -1,10 +1,10 @@
 """Trace one training micro-batch (forward, loss, backward) on fake tensors and measure its memory.
 
-The model is the trainer's own (``build_model``, activation checkpointing applied by the trainer's
-``models.apply_activation_checkpointing``), built under ``FakeTensorMode``: every tensor has its real shape,
+The model is the trainer's own (``build_model``, checkpointing policy and loss chunking applied by
+the trainer's ``models.training.prepare_for_training``), built under ``FakeTensorMode``: every tensor has its real shape,
 dtype and storage size but no data, so a Llama-500M micro-batch of 16 x 4096 tokens costs about a
 second of CPU. The loss is the trainer's: ``model(tokens, targets=targets) / accum`` (the model
-masks its padded vocab and upcasts to fp32, ``CausalLM._loss``) under the trainer's autocast. With
+masks its padded vocab and upcasts to fp32, ``models/loss.py``) under the trainer's autocast. With
 gradient accumulation two micro-batches are traced, because the second runs with the gradients
 already allocated.
 
@@ -50,22 +50,25 @@ def _math_attention_needed(model_cfg: ModelConfig, on_gpu: bool, bf16: bool) -> 
 
 
 def trace_micro_batch(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, seq_len: int, *,
-                      bf16: bool, activation_checkpointing: bool, accum: int = 1,
-                      on_gpu: bool = False) -> MicroBatchTrace:
+                      bf16: bool, activation_checkpointing: str | bool, accum: int = 1,
+                      on_gpu: bool = False, loss_chunk_tokens: int = 0) -> MicroBatchTrace:
     """Trace ``min(accum, 2)`` micro-batches of ``micro_batch x seq_len`` tokens as the trainer runs
-    them. A pure function of its arguments, so it is memoised (experiments that differ only in the
-    optimizer share one trace)."""
+    them, with the checkpointing policy (none|selective|full; a bool: full or none) and the
+    loss's chunk size the trainer applies. A pure function of its arguments, so it is memoised
+    (experiments that differ only in the optimizer share one trace)."""
+    from scape_train.models.checkpointing import parse_policy
+
     return _trace(tuple(dataclasses.astuple(model_cfg)), vocab_size, micro_batch, seq_len, bf16,
-                  activation_checkpointing, min(accum, 2), on_gpu)
+                  parse_policy(activation_checkpointing), min(accum, 2), on_gpu, loss_chunk_tokens)
 
 
 @functools.lru_cache(maxsize=32)
 def _trace(model_fields: tuple, vocab_size: int, micro_batch: int, seq_len: int, bf16: bool,
-           activation_checkpointing: bool, accum: int, on_gpu: bool) -> MicroBatchTrace:
+           policy: str, accum: int, on_gpu: bool, loss_chunk_tokens: int) -> MicroBatchTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from scape_train.models.build import ARCHS, resolve_config
-    from scape_train.models.build import apply_activation_checkpointing
+    from scape_train.models.training import prepare_for_training
 
     model_cfg = ModelConfig(*model_fields)
     tracker = LiveBytes(round_to=CUDA_BLOCK if on_gpu else 1)
@@ -82,8 +85,7 @@ def _trace(model_fields: tuple, vocab_size: int, micro_batch: int, seq_len: int,
         with torch.device("cpu"):
             model = ARCHS[resolved.arch](resolved)
         model.train()
-        if activation_checkpointing:
-            apply_activation_checkpointing(model)
+        prepare_for_training(model, policy, compile=False, loss_chunk_tokens=loss_chunk_tokens)
         params = [p for p in model.parameters() if p.requires_grad]
         tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         targets = torch.zeros(micro_batch, seq_len, dtype=torch.long)
