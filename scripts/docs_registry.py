@@ -96,6 +96,8 @@ SECTIONS: list[Section] = [
           _scape99("frontier", "render_frontier")),
     _page("study_scale", "quality.md", "study_scape99", "scape99_search.json",
           _scape99("scale", "render_scale")),
+    _page("study_horizons", "quality.md", "study_horizons", "scape99_horizons.json",
+          lambda data: _mod("study_horizons").render_horizons(data["summary"], "figures")),
     _page("bench_speed", "performance.md", "bench_speed", "bench_speed_summary.json"),
     _page("bench_ttq", "performance.md", "bench_time_to_quality", "bench_ttq_results.json", _ttq),
     _page("bench_volume", "performance.md", "bench_volume", "bench_volume.json", _volume),

@@ -524,9 +524,26 @@ def run_commit(r: dict) -> str | None:
     return None if c is None else c + ("+dirty" if r.get("dirty") else "")
 
 
+def same_training(r: dict) -> set[str]:
+    """The commits ``r`` counts as for pairing: its own (:func:`run_commit`) and those its record
+    names in ``same_training_as``, each a commit at which the run's setting was shown to train
+    bit for bit as at its own (``{"commit": ..., "evidence": ...}``: how it was checked)."""
+    own = run_commit(r)
+    if own is None:
+        return set()
+    proven = set()
+    for e in r.get("same_training_as", []):
+        if not e.get("commit") or not e.get("evidence"):
+            raise ValueError(f"{r['id']}: a same_training_as entry needs a commit and the evidence "
+                             f"that the run's setting trains identically there; got {e}")
+        proven.add(e["commit"])
+    return {own, *proven}
+
+
 def one_commit(runs: list[dict], what: str) -> str:
-    """The one commit of ``runs``; raises :class:`MixedCommitsError` naming every run and its
-    commit when they differ or some run records none."""
+    """The one commit of ``runs``: every run's own, or one its record proves it trains the same
+    at (:func:`same_training`); raises :class:`MixedCommitsError` naming every run and its commit
+    when no commit is common to all or some run records none."""
     commits = {r["id"]: run_commit(r) for r in runs}
     missing = sorted(i for i, c in commits.items() if c is None)
     if missing:
@@ -534,30 +551,36 @@ def one_commit(runs: list[dict], what: str) -> str:
             f"{what}: cannot pair runs that record no commit: {', '.join(missing)}. If the "
             "commit their code ran at is known, record it as the JSON's code_commit "
             "(--unrecorded-commit COMMIT); else rerun them")
-    if len(set(commits.values())) > 1:
+    common = set.intersection(*(same_training(r) for r in runs))
+    if not common:
         by = {}
         for i, c in sorted(commits.items()):
             by.setdefault(c, []).append(i)
         raise MixedCommitsError(
             f"{what}: refusing to pair runs of different commits: "
             + "; ".join(f"{c}: {', '.join(ids)}" for c, ids in by.items())
-            + ". Rerun the runs of the older commit at the newer one (same command)")
-    return next(iter(commits.values()))
+            + ". Rerun the runs of the older commit at the newer one (same command), or record "
+            "in a run's same_training_as the commit its setting was shown to train identically at")
+    own = [c for c in commits.values() if c in common]     # prefer the commit most runs ran at
+    return max(sorted(common), key=own.count)
 
 
 def paired(a: list[dict], b: list[dict], what: str, seeds=None) -> dict[str, Any] | None:
     """:func:`paired_gap` of the final validation losses of runs ``a`` against ``b`` (seed by
     seed, optionally only ``seeds``), refusing (:class:`MixedCommitsError`) runs of different
-    commits among the pairs; the gap records their commit."""
+    commits among the pairs; the gap records their commit and, in ``same_training``, the runs
+    that count at it by their ``same_training_as`` record rather than their own commit."""
     fa = {r["seed"]: r for r in a if r["final_val_loss"] is not None}
     fb = {r["seed"]: r for r in b if r["final_val_loss"] is not None}
     both = sorted(set(fa) & set(fb) & (set(seeds) if seeds is not None else set(fa)))
     if not both:
         return None
-    commit = one_commit([fa[k] for k in both] + [fb[k] for k in both], what)
+    runs = [fa[k] for k in both] + [fb[k] for k in both]
+    commit = one_commit(runs, what)
     g = paired_gap({k: fa[k]["final_val_loss"] for k in both},
                    {k: fb[k]["final_val_loss"] for k in both})
-    return {**g, "commit": commit}
+    moved = sorted(r["id"] for r in runs if run_commit(r) != commit)
+    return {**g, "commit": commit, **({"same_training": moved} if moved else {})}
 
 
 def finals(results, opt: str, steps: int, lr: float | None) -> dict[int, float]:

@@ -233,14 +233,45 @@ def runs_of(results, name: str) -> list[dict]:
     return [r for r in results.values() if r["candidate"] == name]
 
 
-def gaps_to_baseline(results, name: str) -> tuple[float | None, dict | None]:
+def _paired(a: list[dict], b: list[dict], what: str, seeds=None) -> dict | None:
+    """``study_quality.paired``, or ``{"refused": why}`` where it refuses to pair runs of
+    different commits (the report then shows no gap for them, and says why)."""
+    try:
+        return sq.paired(a, b, what, seeds=seeds)
+    except sq.MixedCommitsError as err:
+        return {"refused": str(err)}
+
+
+def gaps_to_baseline(results, name: str) -> tuple[dict | None, dict | None]:
     """(seed 0's gap, the paired gap over every seed) of ``name`` to dense AdamS, each pairing
-    only runs of one commit (``study_quality.paired`` refuses others)."""
+    only runs of one commit (:func:`_paired`)."""
     runs, base = runs_of(results, name), runs_of(results, BASELINE)
     what = f"{name} vs {BASELINE}"
-    g0 = sq.paired(runs, base, what + ", seed 0", seeds=[0])
-    return (g0["mean"] if g0 else None), (sq.paired(runs, base, what) if name != BASELINE
-                                          else None)
+    return (_paired(runs, base, what + ", seed 0", seeds=[0]),
+            _paired(runs, base, what) if name != BASELINE else None)
+
+
+def gap_fields(g0: dict | None, paired: dict | None) -> dict:
+    """A row's gap fields: seed 0's gap (None where not paired), the refusal where its pairing
+    was refused, and the paired gap over every seed."""
+    return {"gap_seed0": g0["mean"] if g0 and "mean" in g0 else None,
+            **({"gap_seed0_refused": g0["refused"]} if g0 and "refused" in g0 else {}),
+            "paired": paired}
+
+
+REFUSED = "refused: runs of different commits"
+
+
+def gap_cell(row: dict) -> str:
+    return REFUSED if row.get("gap_seed0_refused") else (
+        "n/a" if row["gap_seed0"] is None else f"{row['gap_seed0']:+.4f}")
+
+
+def paired_cell(p: dict | None) -> str:
+    if p and "refused" in p:
+        return REFUSED
+    return "" if not p or p["lo"] is None else \
+        f"{p['mean']:+.4f} [{p['lo']:+.4f}, {p['hi']:+.4f}] ({p['n']})"
 
 
 def summarize(results: dict[str, dict]) -> dict:
@@ -256,10 +287,9 @@ def summarize(results: dict[str, dict]) -> dict:
         if not runs:
             continue
         sent = runs[0]["sent_bytes"]
-        gap0, paired = gaps_to_baseline(results, name)
         rows.append({"candidate": name, "label": c.label, "lr": c.lr,
                      "settings": runs[0]["settings"], "seeds": sorted(f),
-                     "seed0": f.get(0), "gap_seed0": gap0, "paired": paired,
+                     "seed0": f.get(0), **gap_fields(*gaps_to_baseline(results, name)),
                      "sent_bytes": sent,
                      "bytes_vs_ref": sent / ref_bytes if sent and ref_bytes else None,
                      "diverged": any(r["diverged"] for r in runs)})
@@ -280,15 +310,12 @@ def render(summary: dict, fig_rel: str) -> str:
              "(seeds) | MB sent per rank | x SCAPE-99's bytes | in budget |",
              "|---|---|---|---|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: (r["seed0"] is None, r["seed0"] or 0)):
-        p = r["paired"]
-        paired = "" if not p or p["lo"] is None else \
-            f"{p['mean']:+.4f} [{p['lo']:+.4f}, {p['hi']:+.4f}] ({p['n']})"
         ratio = r["bytes_vs_ref"]
         inb = "" if ratio is None or r["candidate"] == BASELINE else \
             ("yes" if ratio <= BUDGET else "no")
         lines.append(f"| {r['label']} (`{r['candidate']}`) | {r['lr']:g} | "
                      f"{'diverged' if r['diverged'] else g(r['seed0'], '.4f')} | "
-                     f"{g(r['gap_seed0'])} | {paired} | "
+                     f"{gap_cell(r)} | {paired_cell(r['paired'])} | "
                      f"{g(None if r['sent_bytes'] is None else r['sent_bytes'] / 1e6, '.1f')} | "
                      f"{g(ratio, '.2f')} | {inb} |")
     lines += ["", f"![final loss against bytes]({fig_rel}/scape99_search.png)", "",
@@ -384,7 +411,6 @@ def frontier(results) -> dict:
         if 0 not in f:
             continue
         c = CANDIDATES[name]
-        gap0, paired = gaps_to_baseline(results, source)
         run0 = next(r for r in runs if r["seed"] == 0)
         points.append({"family": family, "candidate": name, "source": source,
                        "label": c.label, "lr": c.lr, "density": c.density
@@ -393,7 +419,7 @@ def frontier(results) -> dict:
                        "sent_bytes": run0["sent_bytes"], "seed0": f[0],
                        **dict(zip(("steady_step_bytes", "steady_source"),
                                   steady_step_bytes(run0, results))),
-                       "gap_seed0": gap0, "paired": paired})
+                       **gap_fields(*gaps_to_baseline(results, source))})
     for pt in points:
         cheaper = [q for q in points if q["sent_bytes"] <= pt["sent_bytes"]]
         pt["best_within"] = min(cheaper, key=lambda q: q["seed0"])["candidate"]
@@ -406,7 +432,7 @@ def frontier(results) -> dict:
 
 def paired_sd_range(front: dict) -> tuple[float, float] | None:
     """The smallest and largest sd of the paired gaps (2+ seeds) on the frontier."""
-    sds = [p["paired"]["sd"] for p in front["points"] if p["paired"] and p["paired"]["sd"]]
+    sds = [p["paired"]["sd"] for p in front["points"] if p["paired"] and p["paired"].get("sd")]
     return (min(sds), max(sds)) if sds else None
 
 
@@ -436,14 +462,11 @@ def render_frontier(front: dict, fig_rel: str) -> str:
              "gap to AdamS | paired gap [95% CI] | best at these bytes | best at these bytes "
              "per step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for pt in sorted(front["points"], key=lambda q: q["sent_bytes"]):
-        p = pt["paired"]
-        paired = "" if not p or p["lo"] is None else \
-            f"{p['mean']:+.4f} [{p['lo']:+.4f}, {p['hi']:+.4f}] ({p['n']})"
         step = pt.get("steady_step_bytes")
         lines.append(f"| {pt['family']} | {pt['label']} (`{pt['candidate']}`) | {pt['lr']:g} | "
                      f"{pt['sent_bytes'] / 1e6:,.1f} | "
                      f"{g(None if step is None else step / 1e3, ',.1f')} | {pt['seed0']:.4f} | "
-                     f"{g(pt['gap_seed0'], '+.4f')} | {paired} | {best(pt, 'best_within')} | "
+                     f"{gap_cell(pt)} | {paired_cell(pt['paired'])} | {best(pt, 'best_within')} | "
                      f"{best(pt, 'best_within_per_step')} |")
     lines += ["", f"![final loss against bytes, total and per step]({fig_rel}/frontier.png)", "",
               f"The runs: `{fig_rel}/scape99_search.json` (its `frontier` key holds this table). "
@@ -477,20 +500,21 @@ def plot_frontier(front: dict, path: Path) -> None:
 
 def scale_check(results) -> dict:
     """Seed 0 of each candidate run on a larger model than the search's, per model shape, with
-    its gap to dense AdamS on the same shape."""
+    its gap to dense AdamS on the same shape and seed (paired only at one commit)."""
     shapes = {}
     for r in sorted(results.values(), key=lambda r: r["id"]):
         shapes.setdefault(r["shape"], []).append(r)
     out = []
     for shape, runs in shapes.items():
-        base = next((r["final_val_loss"] for r in runs
-                     if r["candidate"] == BASELINE and r["seed"] == 0), None)
+        base = [r for r in runs if r["candidate"] == BASELINE]
         for r in runs:
-            loss = r["final_val_loss"]
+            g = None if r["candidate"] == BASELINE else _paired(
+                [r], base, f"{r['id']} vs {BASELINE}", seeds=[r["seed"]])
             out.append({"shape": shape, "candidate": r["candidate"], "label": r["label"],
                         "lr": r["lr"], "seed": r["seed"], "steps": r["steps"],
-                        "final_val_loss": loss, "sent_bytes": r["sent_bytes"],
-                        "gap": None if loss is None or base is None else loss - base,
+                        "final_val_loss": r["final_val_loss"], "sent_bytes": r["sent_bytes"],
+                        **{k.replace("_seed0", ""): v for k, v in gap_fields(g, None).items()
+                           if k != "paired"},
                         "wall_s": r["wall_s"], "val_loss": r["val_loss"]})
     return {"rows": out}
 
@@ -504,7 +528,8 @@ def render_scale(scale: dict, fig_rel: str) -> str:
              "| wall time (s) |", "|---|---|---|---|---|---|---|---|"]
     for r in scale["rows"]:
         loss = "diverged" if r["final_val_loss"] is None else f"{r['final_val_loss']:.4f}"
-        gap = "" if r["gap"] is None or r["candidate"] == BASELINE else f"{r['gap']:+.4f}"
+        gap = REFUSED if r.get("gap_refused") else (
+            "" if r["gap"] is None or r["candidate"] == BASELINE else f"{r['gap']:+.4f}")
         mb = "n/a" if r["sent_bytes"] is None else f"{r['sent_bytes'] / 1e6:,.1f}"
         lines.append(f"| `{r['shape']}` | {r['label']} (`{r['candidate']}`) | {r['lr']:g} | "
                      f"{r['steps']} | {loss} | {gap} | {mb} | {r['wall_s']:.0f} |")

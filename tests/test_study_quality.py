@@ -175,6 +175,31 @@ def test_pairing_refuses_runs_of_different_commits_or_none():
         sq.paired(a[1:], [b[0], none], "x")
 
 
+def test_pairing_accepts_another_commit_only_where_a_run_records_the_evidence():
+    a = [_fake("scape99", 4e-3, k, 1000, 5.2 + 0.01 * k, "seeds") for k in range(3)]
+    b = [{**_fake("adams", 2e-3, k, 1000, 5.1 + 0.01 * k, "seeds"), "commit": "fedcba9"}
+         for k in range(3)]
+    with pytest.raises(sq.MixedCommitsError, match="different commits"):
+        sq.paired(a, b, "x")
+    proof = {"commit": "0123abc", "evidence": "40-step runs identical bit for bit"}
+    b = [{**r, "same_training_as": [proof]} for r in b]
+    g = sq.paired(a, b, "x")
+    assert g["commit"] == "0123abc" and g["n"] == 3
+    assert g["same_training"] == sorted(r["id"] for r in b)
+    # the proof holds for the commit it names only, and not for a dirty run
+    c = [{**r, "commit": "7777777"} for r in a]
+    with pytest.raises(sq.MixedCommitsError, match="7777777: scape99"):
+        sq.paired(c, b, "x")
+    with pytest.raises(sq.MixedCommitsError):
+        sq.paired([{**a[0], "dirty": True}], b, "x", seeds=[0])
+    # a proof without its evidence is an error, not an acceptance
+    b[0] = {**b[0], "same_training_as": [{"commit": "0123abc"}]}
+    with pytest.raises(ValueError, match="evidence"):
+        sq.paired(a, b, "x")
+    # runs of one commit need no proof and record none
+    assert "same_training" not in sq.paired(a, a, "x")
+
+
 def test_runs_without_a_commit_take_the_one_their_json_names(tmp_path):
     run = {k: v for k, v in _fake("adams", 2e-3, 0, 1000, 5.1, "seeds").items()
            if k not in ("commit", "dirty")}

@@ -106,11 +106,29 @@ def test_every_setting_the_search_ran_is_on_the_frontier_with_its_bytes_per_step
     assert s99.steady_step_bytes(series, results) == (8000 / 2880, "the run's steady steps")
 
 
-def test_the_frontier_refuses_to_pair_runs_of_different_commits():
-    import pytest
-
+def test_the_report_refuses_to_pair_runs_of_different_commits_and_says_so(tmp_path):
     other = _run("s99_fp8_d10_now", 1, 3.84, 570, commit="fedcba9")
     results = {**RESULTS, other["id"]: other}
-    with pytest.raises(s99.sq.MixedCommitsError,
-                       match="fedcba9: s99_fp8_d10_now_lr0.002_s1_h3000"):
-        s99.frontier(results)
+    points = {p["candidate"]: p for p in s99.frontier(results)["points"]}
+    refused = points["f_fp8_e4m3_d10"]["paired"]["refused"]
+    assert "different commits" in refused and "fedcba9: s99_fp8_d10_now_lr0.002_s1_h3000" in refused
+    assert abs(points["f_fp8_e4m3_d10"]["gap_seed0"] + 0.01) < 1e-12   # seed 0: one commit
+    # seed 0 of another commit: no gap at all, in the table either
+    moved = {**RESULTS["scape99_lr0.004_s0_h3000"], "commit": "fedcba9"}
+    results[moved["id"]] = moved
+    report = tmp_path / "quality.md"
+    report.write_text("# Quality\n")
+    s99.write_outputs(results, tmp_path / "figures" / "scape99_search.json", report)
+    text = report.read_text()
+    front = text[text.index(s99.F_BEGIN):text.index(s99.F_END)]
+    row = next(line for line in front.splitlines() if "(`scape99`)" in line)
+    assert s99.REFUSED in row and "+0.3000" not in row
+    row = next(line for line in front.splitlines() if "(`f_fp8_e4m3_d10`)" in line)
+    assert s99.REFUSED in row and "-0.0100" in row
+    # a run that records the evidence of identical training at the other commit pairs again
+    proof = {"commit": "fedcba9", "evidence": "40-step runs identical bit for bit"}
+    for r in s99.runs_of(results, "adams"):
+        results[r["id"]] = {**r, "same_training_as": [proof]}
+    points = {p["candidate"]: p for p in s99.frontier(results)["points"]}
+    assert abs(points["scape99"]["gap_seed0"] - 0.30) < 1e-12
+    assert points["scape99"]["paired"]["commit"] == "fedcba9"
