@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compile every Triton kernel (SCAPE's, dense AdamS's) for a Hopper GPU (sm_90) on a machine without one.
+"""Compile every Triton kernel (SCAPE's, dense AdamS's) for a Hopper GPU (sm_90) without one.
 
     TRITON_INTERPRET=0 .venv/bin/python scripts/triton_compile_check.py [--stage ptx|cubin]
 
