@@ -8,7 +8,9 @@
 over ``--rounds`` rounds (one fresh loader each, timed from its first batch), on a local JSON-lines
 file and a SentencePiece tokenizer: tokens/s of ``next(loader)``. ``--busy-ms`` makes the
 consuming thread hold the interpreter lock that long per batch in pure Python, as an eager
-training loop does, and reports the time it then waits for data per batch.
+training loop does, and reports the time it then waits for data per batch. Also reported: the
+CPU time the trainer's own process spends per batch (all its threads, the spin excluded): what
+the loader takes from the training loop's process, where tokenizer processes take nothing.
 
 1. The loader alone: tokens/s of ``next(loader)`` (micro batch 8, seq 256, background worker on),
    after the first batch (the one-off BPE training/cache load is timed separately).
@@ -72,27 +74,31 @@ def compare_loaders(args) -> None:
     tok = build_tokenizer(cfg)
     rates: dict[int, list[float]] = {w: [] for w in workers}
     waits: dict[int, list[float]] = {w: [] for w in workers}
+    cpus: dict[int, list[float]] = {w: [] for w in workers}
     for r in range(args.rounds):
         for w in (workers if r % 2 == 0 else workers[::-1]):
             cfg.num_workers = w
             loader = build_train_loader(cfg, tok, args.micro)
             next(loader)                 # the pool's start is not timed; the queue is empty
-            wait, n, t0 = 0.0, 0, time.perf_counter()
+            wait, n, t0, c0 = 0.0, 0, time.perf_counter(), time.process_time()
             for _ in range(args.batches):
                 _spin(args.busy_ms)
                 t1 = time.perf_counter()
                 n += next(loader)[0].numel()
                 wait += time.perf_counter() - t1
             rates[w].append(n / (time.perf_counter() - t0))
+            cpus[w].append(1e3 * (time.process_time() - c0) / args.batches - args.busy_ms)
             waits[w].append(1e3 * wait / args.batches)
             loader.close()
             print(f"round {r} num_workers={w}: {rates[w][-1]:,.0f} tokens/s, "
-                  f"waited {waits[w][-1]:.1f} ms/batch", flush=True)
+                  f"waited {waits[w][-1]:.1f} ms/batch, trainer-process CPU "
+                  f"{cpus[w][-1]:.0f} ms/batch", flush=True)
     base = statistics.median(rates[workers[0]])
     for w in workers:
         med = statistics.median(rates[w])
         print(f"num_workers={w}: median {med:,.0f} tokens/s ({med / base:.2f}x num_workers="
-              f"{workers[0]}), median wait {statistics.median(waits[w]):.1f} ms/batch "
+              f"{workers[0]}), median wait {statistics.median(waits[w]):.1f} ms/batch, "
+              f"trainer-process CPU {statistics.median(cpus[w]):.0f} ms/batch "
               f"(micro {args.micro} x seq {args.seq}, busy {args.busy_ms} ms/batch, "
               f"{args.rounds} rounds)")
 
