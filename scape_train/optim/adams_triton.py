@@ -51,6 +51,30 @@ def _at(table_entry, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def adams_values(g, mo, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, BIAS: tl.constexpr):
+    """AdamS on fp32 values, :func:`.adams.adams_update_`'s arithmetic op for op: the new
+    momentum from the old ``mo`` and the gradient ``g``, and the step to add to θ (after its
+    decay). ``ns`` = -step size; ``omb1``, ``omb2`` = 1-β1, 1-β2; BIAS 1 adam, 2 official, 0 none."""
+    # v = β2·prev² + (1-β2)·g², prev the momentum before this step's update
+    if BIAS == 2:
+        prev = tl.div_rn(mo, bc1)
+    else:
+        prev = mo
+    v = prev * prev
+    v = v * beta2
+    gg = omb2 * g
+    gg = gg * g
+    v = v + gg
+    mn = mo * beta1
+    mn = mn + omb1 * g
+    den = tl.sqrt_rn(v)
+    if BIAS == 1:
+        den = tl.div_rn(den, sqrt_bc2)
+    den = den + eps
+    return mn, tl.div_rn(ns * mn, den)
+
+
+@triton.jit
 def _adams_dense_kernel(blocks, table, coef, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns,
                         dec, DTYPE: tl.constexpr, CLIP: tl.constexpr, DECAY: tl.constexpr,
                         BIAS: tl.constexpr, TAIL: tl.constexpr, ALIGNED: tl.constexpr,
@@ -76,25 +100,10 @@ def _adams_dense_kernel(blocks, table, coef, beta1, beta2, omb1, omb2, bc1, sqrt
         th = tl.load(th_ptr).to(tl.float32)
     if CLIP:
         g = g * tl.load(coef)
-    # v = β2·prev² + (1-β2)·g², prev the momentum before this step's update
-    if BIAS == 2:
-        prev = tl.div_rn(mo, bc1)
-    else:
-        prev = mo
-    v = prev * prev
-    v = v * beta2
-    gg = omb2 * g
-    gg = gg * g
-    v = v + gg
-    mn = mo * beta1
-    mn = mn + omb1 * g
+    mn, upd = adams_values(g, mo, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, BIAS)
     if DECAY:
         th = th * dec
-    den = tl.sqrt_rn(v)
-    if BIAS == 1:
-        den = tl.div_rn(den, sqrt_bc2)
-    den = den + eps
-    th = th + tl.div_rn(ns * mn, den)
+    th = th + upd
     if TAIL:
         tl.store(th_ptr, th.to(DTYPE), mask=keep)
         tl.store(m_ptr, mn.to(DTYPE), mask=keep)
