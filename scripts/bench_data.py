@@ -1,6 +1,7 @@
 """Loader throughput vs what the trainer consumes, for the default job (data=classics).
 
     python scripts/bench_data.py [--batches 400] [--no-trainer] [--out docs/data_benchmark.md]
+
     python scripts/bench_data.py --compare 1,3 --data <train.jsonl> --sp <tokenizer dir> \
         [--seq 4096 --micro 16 --batches 12 --rounds 3 --busy-ms 0]
 
@@ -123,17 +124,17 @@ def bench_trainer(timeout_s: int) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, default=400)
-    ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--no-trainer", action="store_true")
-    ap.add_argument("--trainer-timeout", type=int, default=900)
-    ap.add_argument("--out", default=str(REPO / "docs" / "data_benchmark.md"))
     ap.add_argument("--compare", default="", help="num_workers values to compare, e.g. 1,3")
     ap.add_argument("--data", help="--compare: a JSON-lines training file")
     ap.add_argument("--sp", help="--compare: a SentencePiece tokenizer directory")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--busy-ms", type=float, default=0.0)
+    ap.add_argument("--batches", type=int, default=400)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--no-trainer", action="store_true")
+    ap.add_argument("--trainer-timeout", type=int, default=900)
+    ap.add_argument("--out", default=str(REPO / "docs" / "data_benchmark.md"))
     args = ap.parse_args()
     if args.compare:
         compare_loaders(args)

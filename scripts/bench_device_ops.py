@@ -2,10 +2,10 @@
 """Host syncs and kernel launches per optimizer step, counted: dense vs SCAPE replicated vs sharded.
 
     .venv/bin/python scripts/bench_device_ops.py [--world 8] [--steps 8] [--label after]
-        [--only "AdamS (DDP)"]
 
-Dense AdamS's Triton kernel runs on CPU tensors only under ``TRITON_INTERPRET=1``; without it
-its row is skipped (its launches are the kernel's own count, as a GPU would issue them).
+``--only NAME`` counts only the contenders whose name contains NAME. Dense AdamS's Triton kernel
+runs on CPU tensors only under ``TRITON_INTERPRET=1``; without it its row is skipped (its
+launches are the kernel's own count, as a GPU would issue them).
 
 Counts are taken at the dispatcher by ``scape_train.profiling.DeviceOpCounter`` (what each count
 means is in its docstring) on real gloo ranks, over ``strategy.step`` with the gradients already
