@@ -119,12 +119,13 @@ def _produce(stream: DocStream, tok: Tokenizer, state: dict, micro_batch: int, b
 
 
 def _inputs_and_targets(batch: np.ndarray, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks [B, seq_len + 1] -> (inputs, targets) [B, seq_len] each, in pinned memory if ``pin``."""
+    """Blocks [B, seq_len + 1] -> (inputs, targets) [B, seq_len] each, in pinned memory if ``pin``.
+    The split is numpy's single-threaded copy, not torch's: from the loader's thread a torch copy
+    would take the intra-op thread pool the training loop's own CPU ops use."""
+    x, y = np.ascontiguousarray(batch[:, :-1]), np.ascontiguousarray(batch[:, 1:])
     with host_tables():     # host data the trainer uploads asynchronously (host_to_device)
-        t = torch.from_numpy(batch)
-    shape = (t.shape[0], t.shape[1] - 1)
-    x, y = (torch.empty(shape, dtype=t.dtype, pin_memory=pin) for _ in range(2))
-    return x.copy_(t[:, :-1]), y.copy_(t[:, 1:])
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+    return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
 
 class TrainLoader:
