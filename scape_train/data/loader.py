@@ -51,6 +51,13 @@ def _encode_pool(tok: Tokenizer, workers: int) -> Optional[Executor]:
     threads, which a forked child must not inherit."""
     if workers < 1:
         return None
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # a spawned process re-running an unguarded script: its own pool's worker could never
+        # start, and the half-started process would keep the parent's pool waiting forever
+        raise RuntimeError("data.num_workers > 1 starts tokenizer processes with 'spawn', which "
+                           "imports the main script again: put the script's code that builds "
+                           "the loader under `if __name__ == '__main__':` (or set "
+                           "data.num_workers=1)")
     if tok.spec is None:
         return ThreadPoolExecutor(workers, thread_name_prefix="scape-tokenize")
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
