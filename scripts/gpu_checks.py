@@ -178,7 +178,6 @@ def _train_overrides(ctx: Ctx, name: str, extra: list[str]) -> list[str]:
     sequence 4096, on the shipped text; SCAPE's density warm-up shortened to a quarter."""
     steps = 4 if ctx.smoke else TRAIN_STEPS
     overrides = ["+experiment=llama500m_s99", "data=classics", "data.seq_len=4096",
-                 "data.num_workers=3",      # two tokenizer processes, as the hub presets
                  "model.vocab_size=32000", f"trainer.max_steps={steps}", "trainer.warmup_steps=2",
                  "trainer.log_every=5", "trainer.eval_every=0", "trainer.checkpoint_every=0",
                  "trainer.global_batch_size=0", "trainer.sample_tokens=0", "eval.enabled=false",
