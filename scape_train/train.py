@@ -180,7 +180,8 @@ class Trainer:
 
             self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model, self.comm)
         self.train_loader = build_train_loader(cfg.data, self.tokenizer, cfg.trainer.micro_batch_size,
-                                               info.rank, info.world_size)
+                                               info.rank, info.world_size,
+                                               pin_memory=info.device.type == "cuda")
         self.val_batches = build_val_batches(cfg.data, self.tokenizer, cfg.trainer.micro_batch_size,
                                              info.rank, info.world_size)
         self.state = TrainState()

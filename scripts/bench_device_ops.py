@@ -3,6 +3,10 @@
 
     .venv/bin/python scripts/bench_device_ops.py [--world 8] [--steps 8]
 
+``--only NAME`` counts only the contenders whose name contains NAME. Dense AdamS's Triton kernel
+runs on CPU tensors only under ``TRITON_INTERPRET=1``; without it its row is skipped (its
+launches are the kernel's own count, as a GPU would issue them).
+
 Counts are taken at the dispatcher by ``scape_train.profiling.DeviceOpCounter`` (what each count
 means is in its docstring) on real gloo ranks, over ``strategy.step`` with the gradients already
 in place, averaged over steps 3..N (step 1 builds SCAPE's first mask synchronously; step 2 is the
@@ -41,6 +45,7 @@ _S = dict(name="scape", clip_grad=1.0)
 CONTENDERS = {
     "AdamW (DDP)": dict(name="adamw", clip_grad=1.0),
     "AdamS (DDP)": dict(name="adams", clip_grad=1.0),
+    "AdamS (DDP), Triton": dict(name="adams", clip_grad=1.0, use_triton="on"),
     "SCAPE-99 replicated": dict(_S, density=0.01),
     "SCAPE-99 sharded (flat)": dict(_S, density=0.01, sharded=True, partitioner="flat"),
     "SCAPE-99 sharded (tensor)": dict(_S, density=0.01, sharded=True, partitioner="tensor"),
@@ -85,7 +90,9 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--docs", default=str(REPO / "docs"))
+    ap.add_argument("--only", default="", help="count only the contenders whose name contains it")
     args = ap.parse_args()
+    from scape_train.optim.adams import triton_usable
     n_params = sum(p.numel() for p in build_model(MODEL, vocab_size=MODEL.vocab_size,
                                                   device=torch.device("meta")).parameters())
     n_tensors = len(list(build_model(MODEL, vocab_size=MODEL.vocab_size,
@@ -93,6 +100,11 @@ def main() -> None:
     out = {"world": args.world, "steps": args.steps, "model": MODEL.name,
            "tensors": n_tensors, "params": n_params, "results": {}}
     for name, kw in CONTENDERS.items():
+        if args.only not in name:
+            continue
+        if kw.get("use_triton") == "on" and not triton_usable(torch.device("cpu")):
+            print(f"{name:28s} skipped: set TRITON_INTERPRET=1 to run the kernel on the CPU")
+            continue
         per_rank = run_distributed(_worker, args.world, (kw, args.steps))
         later = [r for rows in per_rank for r in rows[2:]]
         res = {k: statistics.mean(r[k] for r in later)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compile every Triton kernel of SCAPE for a Hopper GPU (sm_90) on a machine without one.
+"""Compile every Triton kernel (SCAPE's, dense AdamS's) for a Hopper GPU (sm_90) without one.
 
     TRITON_INTERPRET=0 .venv/bin/python scripts/triton_compile_check.py [--stage ptx|cubin]
 
@@ -26,9 +26,11 @@ if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on"
     sys.exit("set TRITON_INTERPRET=0: the interpreter replaces the compiler")
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from scape_train.optim import adams_triton as at  # noqa: E402
 from scape_train.optim.scape import triton_codecs as tc  # noqa: E402
 from scape_train.optim.scape import triton_passes as tp  # noqa: E402
 
@@ -92,6 +94,15 @@ def variants() -> list[tuple]:
     out.append((tc._decode_direct_kernel, dict(buf_ptr=U8, buf_len=A, tab_ptr=P64,
                                                words_ptr="*i32", idx_ptr=P64),
                 {"BLOCK": tc.BLOCK}))
+    # dense AdamS: whole blocks (unmasked; aligned addresses: 16-byte accesses) and tails
+    dense = dict(blocks=P64, table=P64, coef=F32, **scal, dec="fp32")
+    for dtype, clip, decay, bias, tail in ((tl.float32, True, True, 1, False),
+                                           (tl.float32, False, False, 2, True),
+                                           (tl.bfloat16, True, True, 0, False)):
+        want = () if tail else ({"vector_loads": True},)
+        out.append((at._adams_dense_kernel, dense,
+                    {"DTYPE": dtype, "CLIP": clip, "DECAY": decay, "BIAS": bias, "TAIL": tail,
+                     "ALIGNED": True, "BLOCK": at.BLOCK}, *want))
     return out
 
 

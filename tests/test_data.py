@@ -6,6 +6,7 @@ import io
 import json
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -363,3 +364,27 @@ def test_data_configs_match_the_schema(name):
     node = OmegaConf.merge(OmegaConf.structured(DataConfig),
                            OmegaConf.load(REPO / "configs" / "data" / f"{name}.yaml"))
     assert node.source == name
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "sentencepiece"])
+def test_tokenizer_processes_give_the_inline_stream_and_resume_mid_epoch(shared_data, tokenizer):
+    """num_workers=3 (two tokenizer processes, chunks in flight) gives the same batches as
+    tokenizing inline (num_workers=0), and its state resumes a fresh process-backed loader at the
+    same next batch, mid-epoch, whatever the workers had tokenized ahead."""
+    path = shared_data / ("tokenizers/gpt2" if tokenizer == "gpt2"
+                          else "tokenizers/sentencepiece-32k")
+    tok = build_tokenizer(DataConfig(tokenizer=TokenizerConfig(kind=tokenizer, path=str(path))))
+    cfg = classics_cfg(shared_data, num_workers=0, seq_len=128)
+    full = take(build_train_loader(cfg, tok, 4), 24)
+    cfg = replace(cfg, num_workers=3)
+    got, state = [], None
+    for n in (9, 15):
+        loader = build_train_loader(cfg, tok, 4)
+        if state is not None:
+            loader.load_state_dict(reload(state))
+        got += take(loader, n)
+        assert isinstance(loader._pool, ProcessPoolExecutor)
+        time.sleep(0.2)                        # the workers tokenize past the returned batches
+        state = loader.state_dict()
+        loader.close()
+    assert len(got) == 24 and all(torch.equal(a, b) for a, b in zip(full, got))

@@ -5,12 +5,24 @@
     inputs, targets = next(loader)                                # LongTensor [B, seq_len] each
     state = loader.state_dict(); ...; loader.load_state_dict(state)
     val = build_val_batches(cfg, tok, micro_batch_size, rank, world_size)
+
+The names are imported on first use, so that a tokenizer worker process
+(:mod:`.encode_worker`) imports this package without torch.
 """
 
-from scape_train.data.config import DataConfig, TokenizerConfig
-from scape_train.data.hub import HubUnavailableError
-from scape_train.data.loader import TrainLoader, build_train_loader, build_val_batches
-from scape_train.data.tokenizer import Tokenizer, build_tokenizer
+from __future__ import annotations
 
-__all__ = ["DataConfig", "TokenizerConfig", "Tokenizer", "TrainLoader", "HubUnavailableError",
-           "build_tokenizer", "build_train_loader", "build_val_batches"]
+import importlib
+
+_WHERE = {"DataConfig": "config", "TokenizerConfig": "config", "HubUnavailableError": "hub",
+          "TrainLoader": "loader", "build_train_loader": "loader", "build_val_batches": "loader",
+          "Tokenizer": "tokenizer", "build_tokenizer": "tokenizer"}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
+
+__all__ = sorted(_WHERE)

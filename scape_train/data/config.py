@@ -34,7 +34,7 @@ class DataConfig:
     val_tokens: int = 65536           # fixed validation set size, in tokens
     seq_len: int = 256                # tokens per training sequence (<= model.max_seq_len)
     shuffle_buffer: int = 0           # 0 = stream order; N = shuffle windows of N documents
-    num_workers: int = 1              # 0 = in the trainer's thread; N = a background thread (+ N-1 tokenizer threads)
+    num_workers: int = 1              # 0 = in the trainer's thread; N = a background thread (+ N-1 tokenizer processes)
     prefetch: int = 8                 # batches queued ahead by the background thread
     seed: int = 1234                  # data order: shard order and shuffle windows
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

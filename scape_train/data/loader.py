@@ -1,5 +1,12 @@
 """The per-rank training loader: documents -> tokens -> packed blocks, in a background thread.
 
+Keeping ahead of the GPU: with ``data.num_workers`` = N > 1 the documents are tokenized by N-1
+worker processes (:mod:`.encode_worker`), chunks of ``CHUNK_DOCS`` documents submitted ahead and
+consumed in order; the background thread only reads records, packs and stacks. With
+``pin_memory`` (the trainer sets it on CUDA) the thread also leaves each batch's inputs and
+targets in pinned host memory, so the trainer's copy to the device is queued without a staging
+copy and the training loop's thread does no per-batch work beyond taking it from the queue.
+
 Exactness: the producer attaches to every batch the state *after* that batch (document cursor,
 the packer's pending tokens, counters). ``__next__`` keeps the state of the batch it returns, so
 ``state_dict()`` describes exactly the batches the trainer has received, however far the
@@ -13,17 +20,19 @@ data). The micro-batch size may change: the state is kept in blocks, not batches
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from itertools import islice
 from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
+from scape_train.data import encode_worker
 from scape_train.data.config import DataConfig
 from scape_train.data.packing import Packer
 from scape_train.data.sources import Cursor, DocStream, iter_val_texts, train_stream
@@ -36,8 +45,27 @@ STATE_VERSION = 1
 CHUNK_DOCS = 64          # documents per encode_batch call
 
 
-def _tokenized_chunks(docs: Iterator, tok: Tokenizer, pool: Optional[ThreadPoolExecutor], depth: int):
-    """(records, token lists of the good ones) in stream order; with a pool, `depth` chunks ahead."""
+def _encode_pool(tok: Tokenizer, workers: int) -> Optional[Executor]:
+    """``workers`` tokenizer processes (threads for a tokenizer without a Rust backend), or
+    ``None`` for none. Processes start by ``spawn``: the trainer's process holds CUDA state and
+    threads, which a forked child must not inherit."""
+    if workers < 1:
+        return None
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # a spawned process re-running an unguarded script: its own pool's worker could never
+        # start, and the half-started process would keep the parent's pool waiting forever
+        raise RuntimeError("data.num_workers > 1 starts tokenizer processes with 'spawn', which "
+                           "imports the main script again: put the script's code that builds "
+                           "the loader under `if __name__ == '__main__':` (or set "
+                           "data.num_workers=1)")
+    if tok.spec is None:
+        return ThreadPoolExecutor(workers, thread_name_prefix="scape-tokenize")
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=encode_worker.init, initargs=(tok.spec,))
+
+
+def _tokenized_chunks(docs: Iterator, tok: Tokenizer, pool: Optional[Executor], depth: int):
+    """(records, token ids of the good ones) in stream order; with a pool, `depth` chunks ahead."""
     def chunks():
         while True:
             items = list(islice(docs, CHUNK_DOCS))
@@ -49,9 +77,10 @@ def _tokenized_chunks(docs: Iterator, tok: Tokenizer, pool: Optional[ThreadPoolE
         for items, texts in chunks():
             yield items, tok.encode_batch(texts)
         return
+    encode = tok.encode_batch if isinstance(pool, ThreadPoolExecutor) else encode_worker.encode
     pending: deque = deque()
     for items, texts in chunks():
-        pending.append((items, pool.submit(tok.encode_batch, texts)))
+        pending.append((items, pool.submit(encode, texts)))
         if len(pending) > depth:
             items0, fut = pending.popleft()
             yield items0, fut.result()
@@ -61,7 +90,7 @@ def _tokenized_chunks(docs: Iterator, tok: Tokenizer, pool: Optional[ThreadPoolE
 
 
 def _produce(stream: DocStream, tok: Tokenizer, state: dict, micro_batch: int, block_len: int,
-             pool: Optional[ThreadPoolExecutor], depth: int) -> Iterator[tuple[np.ndarray, dict]]:
+             pool: Optional[Executor], depth: int) -> Iterator[tuple[np.ndarray, dict]]:
     """Endless (batch [micro_batch, block_len], state after the batch) from ``state``."""
     cursor = Cursor(**state["cursor"])
     packer = Packer(block_len, tok.eos_id)
@@ -96,15 +125,27 @@ def _produce(stream: DocStream, tok: Tokenizer, state: dict, micro_batch: int, b
             yield from emit()
 
 
+def _inputs_and_targets(batch: np.ndarray, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [B, seq_len + 1] -> (inputs, targets) [B, seq_len] each, in pinned memory if ``pin``.
+    The split is numpy's single-threaded copy, not torch's: from the loader's thread a torch copy
+    would take the intra-op thread pool the training loop's own CPU ops use."""
+    x, y = np.ascontiguousarray(batch[:, :-1]), np.ascontiguousarray(batch[:, 1:])
+    with host_tables():     # host data the trainer uploads asynchronously (host_to_device)
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+    return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+
+
 class TrainLoader:
-    """Iterator of (inputs, targets), LongTensor [micro_batch_size, seq_len] each, for one rank."""
+    """Iterator of (inputs, targets), LongTensor [micro_batch_size, seq_len] each, for one rank.
+    ``pin_memory``: batches in pinned host memory (needs CUDA), for asynchronous copies."""
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, micro_batch_size: int, rank: int = 0,
-                 world_size: int = 1):
+                 world_size: int = 1, pin_memory: bool = False):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.cfg, self.tok = cfg, tokenizer
         self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+        self.pin_memory = pin_memory
         self.block_len = cfg.seq_len + 1
         self._stream = train_stream(cfg, rank, world_size)     # fails fast on a bad path / no hub
         self._state = {"cursor": Cursor().to_dict(), "packer": Packer(self.block_len, 0).state_dict(),
@@ -114,7 +155,7 @@ class TrainLoader:
         self._thread: Optional[threading.Thread] = None
         self._queue: Optional[queue.Queue] = None
         self._stop = threading.Event()
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool: Optional[Executor] = None
         self._wait_s = 0.0
 
     # ------------------------------------------------------------ iteration
@@ -124,20 +165,22 @@ class TrainLoader:
     def _start(self) -> None:
         workers = self.cfg.num_workers
         if workers > 1 and self._pool is None:
-            self._pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="scape-tokenize")
+            self._pool = _encode_pool(self.tok, workers - 1)
+        # two chunks in flight per tokenizer: each worker has the next one queued
         gen = _produce(self._stream, self.tok, self._state, self.micro_batch_size, self.block_len,
-                       self._pool, depth=max(1, workers - 1))
+                       self._pool, depth=max(1, 2 * (workers - 1)))
         if workers == 0:
             self._gen = gen
             return
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=max(1, self.cfg.prefetch))
-        self._thread = threading.Thread(target=self._run, args=(gen, self._queue, self._stop),
+        self._thread = threading.Thread(target=self._run,
+                                        args=(gen, self._queue, self._stop, self.pin_memory),
                                         name=f"scape-data-rank{self.rank}", daemon=True)
         self._thread.start()
 
     @staticmethod
-    def _run(gen: Iterator, q: queue.Queue, stop: threading.Event) -> None:
+    def _run(gen: Iterator, q: queue.Queue, stop: threading.Event, pin: bool) -> None:
         def put(item) -> bool:
             while not stop.is_set():
                 try:
@@ -147,8 +190,8 @@ class TrainLoader:
                     continue
             return False
         try:
-            for item in gen:
-                if not put(item):
+            for batch, state in gen:
+                if not put((_inputs_and_targets(batch, pin), state)):
                     return
         except BaseException as e:  # handed to the trainer's thread, which re-raises it
             put(e)
@@ -158,6 +201,7 @@ class TrainLoader:
             self._start()
         if self._gen is not None:
             batch, state = next(self._gen)
+            xy = _inputs_and_targets(batch, self.pin_memory)
         else:
             t0 = time.perf_counter()
             item = self._queue.get()
@@ -165,11 +209,9 @@ class TrainLoader:
             if isinstance(item, BaseException):
                 self._stop_worker()
                 raise item
-            batch, state = item
+            xy, state = item
         self._state = state
-        with host_tables():     # host data the trainer uploads asynchronously (host_to_device)
-            t = torch.from_numpy(batch)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        return xy
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -226,8 +268,8 @@ class TrainLoader:
 
 
 def build_train_loader(cfg: DataConfig, tokenizer: Tokenizer, micro_batch_size: int, rank: int = 0,
-                       world_size: int = 1) -> TrainLoader:
-    return TrainLoader(cfg, tokenizer, micro_batch_size, rank, world_size)
+                       world_size: int = 1, pin_memory: bool = False) -> TrainLoader:
+    return TrainLoader(cfg, tokenizer, micro_batch_size, rank, world_size, pin_memory)
 
 
 def build_val_batches(cfg: DataConfig, tokenizer: Tokenizer, micro_batch_size: int, rank: int = 0,

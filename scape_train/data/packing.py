@@ -25,9 +25,9 @@ class Packer:
     def __len__(self) -> int:
         return len(self._buf) - self._pos
 
-    def add(self, ids: Sequence[int]) -> None:
+    def add(self, ids: Sequence[int] | np.ndarray) -> None:
         """Append one document and its EOS."""
-        doc = np.fromiter(ids, dtype=np.int64, count=len(ids))
+        doc = np.asarray(ids, dtype=np.int64)
         # Compact while appending: the pending tail is short (< block_len) in the common case.
         self._buf = np.concatenate([self._buf[self._pos:], doc, np.array([self.eos_id], dtype=np.int64)])
         self._pos = 0

@@ -54,6 +54,12 @@ class Tokenizer:
             return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
         return [self.hf.encode(t, add_special_tokens=False) for t in texts]
 
+    @property
+    def spec(self) -> Optional[str]:
+        """The Rust tokenizer as JSON (``tokenizers.Tokenizer.to_str``), from which a worker
+        process rebuilds the same tokenizer; ``None`` without a Rust backend."""
+        return None if self._backend is None else self._backend.to_str()
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids))
 

@@ -69,35 +69,62 @@ def load_named_state_dict(optimizer: torch.optim.Optimizer, state: dict[str, Any
                          for g in state["param_groups"]]})
 
 
+def adams_impl(cfg: OptimizerConfig) -> str:
+    """AdamS's implementation from ``optimizer.use_triton`` and ``optimizer.foreach``: the Triton
+    kernel on CUDA (auto) or anywhere it can run (on), else torch's foreach ops, or the
+    per-tensor reference where foreach is off."""
+    if cfg.use_triton == "on":
+        return "triton"
+    fallback = "foreach" if cfg.foreach else "reference"
+    return "auto" if cfg.use_triton == "auto" and cfg.foreach else fallback
+
+
 def build_local_optimizer(cfg: OptimizerConfig, model: nn.Module, adams: bool
                           ) -> tuple[torch.optim.Optimizer, dict[int, str]]:
-    """AdamW (foreach) or AdamS over two groups (no decay on 1-D), and index -> name."""
+    """AdamS or AdamW over two groups (no decay on 1-D), and index -> name. AdamW is torch's
+    fused implementation on CUDA (one kernel per dtype group), foreach elsewhere."""
     groups = param_groups_with_decay(model, cfg.weight_decay)
     if adams:
         opt: torch.optim.Optimizer = AdamS(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                            weight_decay=cfg.weight_decay,
-                                           bias_correction=cfg.bias_correction)
+                                           bias_correction=cfg.bias_correction,
+                                           impl=adams_impl(cfg))
     else:
+        fused = cfg.foreach and next(model.parameters()).device.type == "cuda"
         opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                weight_decay=cfg.weight_decay, foreach=cfg.foreach)
+                                weight_decay=cfg.weight_decay, foreach=cfg.foreach and not fused,
+                                fused=fused or None)
     by_id = {id(p): n for n, p in model.named_parameters()}
     flat = [p for g in opt.param_groups for p in g["params"]]
     return opt, {i: by_id[id(p)] for i, p in enumerate(flat)}
 
 
+def grad_norm_and_coef(params: list[torch.Tensor], max_norm: float, foreach: bool
+                       ) -> tuple[torch.Tensor | float, torch.Tensor | None]:
+    """The global gradient norm and ``clip_grad_norm_``'s coefficient min(max_norm / (norm +
+    1e-6), 1) as device tensors, the gradients left as they are (``None``: no clipping)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0, None
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach)
+    if max_norm <= 0:
+        return norm, None
+    return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 def grad_norm_and_clip(params: list[torch.Tensor], max_norm: float, foreach: bool
                        ) -> torch.Tensor | float:
     """The global gradient norm as a device tensor (read at log steps only: no host sync here),
-    after clipping to ``max_norm`` when it is > 0."""
-    if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
-                                                 for g in grads])) if grads else 0.0
+    after clipping the gradients to ``max_norm`` when it is > 0 (``clip_grad_norm_``)."""
+    norm, _ = grad_norm_and_coef(params, 0.0, foreach)
+    if max_norm > 0 and isinstance(norm, torch.Tensor):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=foreach)
+    return norm
 
 
 class DenseStrategy(OptimizerStrategy):
-    """DDP (world > 1) + AdamW or AdamS; clipping with ``clip_grad_norm_``."""
+    """DDP (world > 1) + AdamW or AdamS; clipping with ``clip_grad_norm_``'s coefficient (AdamS
+    applies it as it reads the gradients)."""
 
     def __init__(self, cfg: OptimizerConfig, model: nn.Module, comm: Comm | None = None,
                  adams: bool = False):
@@ -132,8 +159,12 @@ class DenseStrategy(OptimizerStrategy):
 
     def step(self, lr: float) -> dict[str, float]:
         set_lr(self.optimizer, lr)
-        norm = grad_norm_and_clip(self.params, self.cfg.clip_grad, self.cfg.foreach)
-        self.optimizer.step()
+        if isinstance(self.optimizer, AdamS):     # the clipping's scaling folds into the update
+            norm, coef = grad_norm_and_coef(self.params, self.cfg.clip_grad, self.cfg.foreach)
+            self.optimizer.step(grad_coef=coef)
+        else:
+            norm = grad_norm_and_clip(self.params, self.cfg.clip_grad, self.cfg.foreach)
+            self.optimizer.step()
         return {"grad_norm": norm}
 
     def state_dict(self) -> dict[str, Any]:
