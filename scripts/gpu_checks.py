@@ -116,7 +116,7 @@ TRAIN_RUNS = (("scape99", []), ("adams", ["optimizer=adams"]),
 RUN_COMMON = ["trainer.warmup_steps=2", "trainer.log_every=5", "trainer.eval_every=0",
               "trainer.checkpoint_every=0", "trainer.global_batch_size=0", "trainer.sample_tokens=0",
               "eval.enabled=false", "logging.wandb.mode=disabled", "logging.progress_bar=false",
-              "plan.check=off", "data=classics"]
+              "plan.check=off", "data=classics", "data.num_workers=3"]  # tokenizing off the trainer
 
 
 def _steps(ctx: Ctx) -> int:
