@@ -10,6 +10,11 @@ warm-up steps (m's support known, the plans and tables built). The model has Lla
 tensor list (16 blocks, untied embeddings: 147 tensors, 114 of them masked) at width
 ``--width``: the launches depend on the tensor list, not on the sizes. Prints the launches,
 host syncs and bytes per parameter of the step, and its launches by op; ``--json`` writes them.
+
+The counter counts a Triton pass as one launch; some passes launch more than one kernel (a
+k-sized pass: its whole blocks and its tail block apart; the AdamS pass: the weight decay, m's
+zeroing, the update). ``kernels_per_step`` counts those kernels one by one, beside the torch
+ops: what a GPU profile of the step shows.
 """
 
 from __future__ import annotations
@@ -34,6 +39,19 @@ from scape_train.optim import build_optimizer  # noqa: E402
 from scape_train.optim.config import OptimizerConfig  # noqa: E402
 from scape_train.optim.grad_buffer import write_grads  # noqa: E402
 from scape_train.profiling import DeviceOpCounter  # noqa: E402
+from scape_train.optim.scape import counted_launch, triton_passes  # noqa: E402
+
+KERNELS = {"n": 0}      # Triton kernels launched while counting
+
+
+def _counting(run):
+    def counted(*args, **meta):
+        KERNELS["n"] += 1
+        return run(*args, **meta)
+    return counted
+
+
+counted_launch.run = triton_passes.run = _counting(counted_launch.run)
 
 
 def llama500m_tensors(width: int) -> ModelConfig:
@@ -57,8 +75,10 @@ def count_step(model, cfg: OptimizerConfig, warmup: int) -> DeviceOpCounter:
         fill(i)
         strategy.step(1e-4)
     fill(98)
+    KERNELS["n"] = 0
     with DeviceOpCounter() as ops:
         strategy.step(1e-4)
+    ops.triton_kernels = KERNELS["n"]
     strategy.close()
     for p in params:
         p.grad = None
@@ -79,11 +99,14 @@ def main() -> None:
     ops = count_step(model, cfg, args.steps)
     out = {"tensors": len(list(model.parameters())), "params": n,
            "use_triton": args.use_triton, "launches_per_step": ops.launches,
+           "kernels_per_step": ops.launches - sum(
+               c for k, c in ops.ops.items() if k.startswith("triton::")) + ops.triton_kernels,
            "host_syncs_per_step": ops.host_syncs, "sync_sites": dict(ops.sync_sites),
            "bytes_per_param": ops.bytes_moved / n,
            "ops": dict(sorted(ops.ops.items(), key=lambda kv: -kv[1]))}
     print(f"{out['tensors']} tensors, {n:,} parameters, use_triton={args.use_triton}: "
-          f"{ops.launches} launches/step, {ops.host_syncs} host syncs, "
+          f"{ops.launches} launches/step ({out['kernels_per_step']} kernels), "
+          f"{ops.host_syncs} host syncs, "
           f"{out['bytes_per_param']:.1f} B/param")
     for name, c in out["ops"].items():
         print(f"  {c:5d}  {name}")
