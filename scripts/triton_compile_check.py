@@ -33,6 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from scape_train.optim import adams_triton as at  # noqa: E402
 from scape_train.optim.scape import triton_codecs as tc  # noqa: E402
 from scape_train.optim.scape import triton_passes as tp  # noqa: E402
+from scape_train.optim.scape import triton_select as ts  # noqa: E402
 
 A, P64, F64, F32, U8 = "i64", "*i64", "*fp64", "*fp32", "*u8"   # a size or offset, tensor pointers
 
@@ -72,7 +73,8 @@ def variants() -> list[tuple]:
     scal = {n: "fp32" for n in ("beta1", "beta2", "omb1", "omb2", "bc1", "sqrt_bc2", "eps", "ns")}
     for clip, has_out, bias in ((True, False, 1), (False, True, 2), (True, True, 0)):
         out.append((tp._adams_kernel, dict(blocks=P64, param_table=P64, idx=P64, j0=A, base=A,
-                                           **f32s("ghat", "m", "out", "m_old", "coef"), **scal),
+                                           **f32s("ghat", "m", "out", "m_old", "norm"),
+                                           max_norm="fp32", **scal),
                     {"CLIP": clip, "HAS_OUT": has_out, "BIAS": bias, **kb}))
     out.append((tp._scatter_params_kernel, dict(blocks=P64, param_table=P64, idx=P64,
                                                 values=F32), kb))
@@ -103,6 +105,18 @@ def variants() -> list[tuple]:
         out.append((at._adams_dense_kernel, dense,
                     {"DTYPE": dtype, "CLIP": clip, "DECAY": decay, "BIAS": bias, "TAIL": tail,
                      "ALIGNED": True, "BLOCK": at.BLOCK}, *want))
+    # the next mask's top-k
+    sel = dict(stat=F32, blocks=P64, segs=P64)
+    nb = {"NB": ts.NB}
+    out.append((ts._hist_kernel, dict(**sel, hist="*i32"), {"BLOCK": ts.BLOCK, **nb}))
+    out.append((ts._pick_kernel, dict(segs=P64, hist="*i32", state=P64), nb))
+    out.append((ts._split_kernel, dict(**sel, state=P64, counters=P64, bits=U8, buf_u=P64,
+                                       buf_i=P64), {"BLOCK": ts.BLOCK}))
+    for level, (shift, width) in enumerate(ts.LEVELS[1:], 1):
+        out.append((ts._level_kernel, dict(**sel, state=P64, hist="*i32", buf_u=P64, buf_i=P64),
+                    {"LEVEL": level, "SHIFT": shift, "WIDTH": width, "BLOCK": ts.BLOCK, **nb}))
+    out.append((ts._mark_kernel, dict(**sel, state=P64, hist="*i32", buf_u=P64, buf_i=P64,
+                                      bits=U8), {"BLOCK": ts.BLOCK, **nb}))
     return out
 
 

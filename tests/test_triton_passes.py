@@ -174,3 +174,37 @@ def test_k_sized_passes_over_whole_blocks_and_a_tail(k):
         bits = torch.empty(16 * (n // 128 + 1), dtype=torch.uint8)   # scratch, zeroed
         # every taken position is zero now: found among the zeros
         assert int(lib.count_common(at, zero, bits)) == k
+
+
+def test_a_steady_step_launches_as_many_kernels_whatever_the_number_of_tensors():
+    """The Triton path's steady step (replicated, one rank): its launches do not grow with the
+    tensors (the top-k selects every segment at once), at most 40, none reading back."""
+    from scape_train.models import build_model
+    from scape_train.models.config import ModelConfig
+    from scape_train.optim import build_optimizer
+    from scape_train.optim.grad_buffer import write_grads
+    from scape_train.profiling import DeviceOpCounter
+
+    counted = []
+    for layers in (1, 3):
+        cfg = ModelConfig(name="t", arch="llama", n_layers=layers, d_model=32, n_heads=4,
+                          n_kv_heads=2, ffn_dim=64, max_seq_len=16, vocab_size=128,
+                          tie_embeddings=False)
+        torch.manual_seed(0)
+        model = build_model(cfg, device=torch.device("cpu"))
+        params = list(model.parameters())
+        s = build_optimizer(OptimizerConfig(name="scape", density=0.05, use_triton="on",
+                                            clip_grad=1.0), model)
+        for t in range(4):
+            gen = torch.Generator().manual_seed(t)
+            write_grads(params, (torch.randn(p.shape, generator=gen) for p in params),
+                        s.grad_buffer)
+            if t < 3:
+                s.step(1e-3)
+        with DeviceOpCounter() as ops:
+            s.step(1e-3)
+        s.close()
+        assert ops.host_syncs == 0, ops.sync_sites
+        counted.append((len(params), ops.launches))
+    (n1, l1), (n3, l3) = counted
+    assert n3 > n1 and l1 == l3 <= 40, counted

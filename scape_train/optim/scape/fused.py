@@ -42,7 +42,7 @@ from . import passes
 from .masks import Mask
 from .partition import ParamLayout, PartitionMap
 from .payload import PayloadCodec, all_gather_rows, all_reduce_mean, reduce_scatter_mean
-from .replicated import clip_coef
+from .passes import clip_coef
 from .state import ScapeState
 from .torch_passes import TorchPasses
 
@@ -61,9 +61,10 @@ def _overlapped(handle, work):
     return done
 
 
-def _root(sq: torch.Tensor, cut=0.0) -> torch.Tensor:
-    """``sqrt(max(sq - cut, 0))``: a norm from a pass's sum of squares, on the device."""
-    return (sq - cut).clamp_min(0.0).sqrt()
+def _root(sq: torch.Tensor, cut=None) -> torch.Tensor:
+    """``sqrt(max(sq - cut, 0))``: a norm from a pass's sum of squares, on the device (no
+    ``cut``: a sum of squares, never negative, has its root taken as it is)."""
+    return sq.sqrt() if cut is None else (sq - cut).clamp_min(0.0).sqrt()
 
 
 def _gathered_at(a: int, starts: list[int], counts: list[int], width: int) -> int:
@@ -231,13 +232,13 @@ class FusedReplicatedScape(_FusedEngine):
             self.last["payload"] = payload.clone()
         # payload becomes ĝ = (b̄ - β1·m) / (1-β1); m at the mask gathered into m_old, for AdamS
         norm = _root(lib.ghat(payload, m_old, cfg.betas[0], idx=idx, m=m)).float()
-        coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
+        clip = passes.Clip(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         if self.record:
-            clipped = payload if coef is None else payload * coef
+            clipped = payload if clip is None else payload * clip_coef(*clip)
             self.last["ghat"] = torch.zeros_like(c).index_copy_(0, idx, clipped)
         plan = self._plan(counts)
         lib.adams(idx, 0, 0, payload, m_old, m, self._pidx, self._segments(plan, 0, k, lr),
-                  self._adams_step(lr, step), coef)         # θ, m
+                  self._adams_step(lr, step), clip)         # θ, m
         self._pidx, self._prev = idx, plan
         self._idx, self._zero_pending = idx, True
         self._c = None
@@ -342,7 +343,7 @@ class FusedShardedScape(_FusedEngine):
         sq = sq.float().reshape(1)
         comm.all_reduce(sq, kind="norm", average=False)
         norm = sq.sqrt()[0]
-        coef = clip_coef(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
+        clip = passes.Clip(norm, cfg.clip_grad) if cfg.clip_grad > 0 else None
         x_sq, self._x_sq = self._x_sq, None
         res = (torch.linalg.vector_norm(x).double() if x_sq is None or wire_err is not None
                else _root(x_sq, cut))
@@ -351,7 +352,7 @@ class FusedShardedScape(_FusedEngine):
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
         if k_own:     # θ·(1 - lr·wd) + the update into the shard; θ itself is not written yet
             lib.adams(idx, s_own, lo, ghat, m_old, m, self._pidx_own, own_segs,
-                      self._adams_step(lr, step), coef, out=shard)        # and m (own range)
+                      self._adams_step(lr, step), clip, out=shard)        # and m (own range)
         elif self._pidx_own is None:
             m.zero_()
         else:

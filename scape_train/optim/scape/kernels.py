@@ -28,6 +28,23 @@ def nonzero_sorted(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.nonzero_static(mask, size=count).view(-1)
 
 
+def topk_segments(stat: torch.Tensor, segments: tuple[tuple[int, int, int], ...]
+                  ) -> torch.Tensor:
+    """Bits (bool) over ``stat``: on each segment ``(start, numel, k)`` the ``k`` largest
+    ``|stat|`` (``torch.topk``: a radix select on a device, no host read; ties broken either
+    way), all ones where ``k == numel``. One ``topk`` per segment: the reference for the
+    Triton select (:mod:`.triton_select`)."""
+    bits = torch.zeros(stat.numel(), dtype=torch.bool, device=stat.device)
+    for a, numel, k in segments:
+        piece = bits[a:a + numel]
+        if k >= numel:
+            piece.fill_(True)
+        else:
+            piece.index_fill_(0, torch.topk(stat[a:a + numel].abs(), k, sorted=False).indices,
+                              True)
+    return bits
+
+
 def packed_numel(n: int) -> int:
     """Bytes needed to pack ``n`` mask bits (``ceil(n / 8)``)."""
     if n < 0:

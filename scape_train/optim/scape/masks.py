@@ -14,28 +14,32 @@ import torch
 
 from scape_train.comm import Comm, Handle
 from ..density import segment_k
-from .kernels import nonzero_sorted
+from .kernels import nonzero_sorted, topk_segments
 from .mask_coding import MaskPlan
 from .mask_format import bits_bytes
 from .partition import ParamLayout, PartitionMap
 
 
+def own_segments(part: PartitionMap, rank: int, layout: ParamLayout, density: float
+                 ) -> tuple[tuple[int, int, int], ...]:
+    """The owner's top-k segments ``(start in its range, numel, k)`` at ``density``: ``k =
+    segment_k(numel, d)``, all ones (``k = numel``) on excluded tensors."""
+    lo = part.ranges[rank][0]
+    return tuple((seg.flat_start - lo, seg.numel,
+                  seg.numel if layout.excluded[seg.tensor] else segment_k(seg.numel, density))
+                 for seg in part.segments[rank])
+
+
 def topk_own_mask(stat_own: torch.Tensor, part: PartitionMap, rank: int, layout: ParamLayout,
-                  density: float) -> torch.Tensor:
-    """The owner's bits over its range ``[lo, hi)``: top-k of ``|stat|`` per segment (torch.topk:
-    a radix select on a device, no host read; ties broken either way)."""
-    lo, hi = part.ranges[rank]
-    bits = torch.zeros(hi - lo, dtype=torch.bool, device=stat_own.device)
-    for seg in part.segments[rank]:
-        a = seg.flat_start - lo
-        piece = bits[a:a + seg.numel]
-        k = segment_k(seg.numel, density)
-        if layout.excluded[seg.tensor] or k >= seg.numel:
-            piece.fill_(True)
-        else:
-            top = torch.topk(stat_own[a:a + seg.numel].abs(), k, sorted=False).indices
-            piece.index_fill_(0, top, True)
-    return bits
+                  density: float, lib=None,
+                  segments: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor:
+    """The owner's bits over its range ``[lo, hi)``: top-k of ``|stat|`` per segment, by the
+    passes ``lib`` (:func:`.strategy.select_passes`: every segment in a few Triton launches,
+    or a ``torch.topk`` per segment; default the torch one). ``segments``: the
+    :func:`own_segments` of this rank and density, where the caller keeps them."""
+    if segments is None:
+        segments = own_segments(part, rank, layout, density)
+    return (topk_segments if lib is None else lib.topk_mask)(stat_own, segments)
 
 
 def mask_counts(part: PartitionMap, layout: ParamLayout, density: float) -> list[list[int]]:

@@ -12,7 +12,6 @@ from typing import NamedTuple
 import torch
 
 
-
 class ParamSegment(NamedTuple):
     """One owner segment of the mask's sorted flat index list: θ's flat view, the tensor's flat
     offset, the index-list slice ``[a, b)`` of its ones, its elements ``[s0, s1)`` in the tensor,
@@ -49,6 +48,18 @@ class AdamSStep:
     @property
     def step_size(self) -> float:
         return self.lr / self.bc1 if self.bias_correction in ("adam", "official") else self.lr
+
+
+def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, C / (‖ĝ‖ + 1e-6))`` as a tensor, like ``clip_grad_norm_``."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+class Clip(NamedTuple):
+    """Clipping by the global norm, as the AdamS pass takes it: ĝ·min(1, C / (‖ĝ‖ + 1e-6))
+    (:func:`clip_coef`), with ‖ĝ‖ a float32 0-d tensor on the device."""
+    norm: torch.Tensor
+    max_norm: float
 
 
 def flat_buffer(grads: list[torch.Tensor], offsets: list[int]) -> torch.Tensor | None:

@@ -21,14 +21,10 @@ from ..config import OptimizerConfig
 from .kernels import gather_masked, scatter_masked
 from .masks import Mask
 from .partition import ParamLayout, PartitionMap
+from .passes import clip_coef
 from .payload import PayloadCodec, all_reduce_mean
 from .residual import ResidualStore
 from .state import ScapeState
-
-
-def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, C / (‖ĝ‖ + 1e-6))`` as a tensor, like ``clip_grad_norm_``."""
-    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 class ReplicatedScape:

@@ -28,7 +28,7 @@ from .kernels import gather_masked, scatter_masked
 from .masks import Mask
 from .partition import ParamLayout, PartitionMap
 from .payload import PayloadCodec, all_gather_rows, reduce_scatter_mean
-from .replicated import clip_coef
+from .passes import clip_coef
 from .residual import ResidualStore
 from .state import ScapeState
 

@@ -29,7 +29,7 @@ from ..grad_buffer import FlatGradBuffer
 from ..state import FlatShard, ShardSource, StateParts
 from .kernels import pack_bits, triton_available, unpack_bits
 from .masks import (Mask, MaskExchange, PendingMask, mask_counts, measured_counts, overlap,
-                    topk_own_mask)
+                    own_segments, topk_own_mask)
 from .partition import ParamLayout, build_partition
 from .fused import FusedReplicatedScape, FusedShardedScape, fuses
 from .replicated import ReplicatedScape
@@ -99,6 +99,7 @@ class ScapeStrategy(OptimizerStrategy):
         self._pending: PendingMask | None = None
         # ones per segment of a mask at density d, by d: sizes known on the host, not read back
         self._counts: dict[float, list[list[int]]] = {}
+        self._segments: dict[float, tuple] = {}      # this owner's top-k segments, by d
         self._loaded_counts: list[list[int]] | None = None   # a mask from another partition
 
     def _check_backend(self) -> None:
@@ -146,6 +147,18 @@ class ScapeStrategy(OptimizerStrategy):
                 self._counts.clear()
             self._counts[density] = mask_counts(self.part, self.layout, min(density, 1.0))
         return self._counts[density]
+
+    def _topk(self, stat_own: torch.Tensor, density: float) -> torch.Tensor:
+        """This owner's bits of the next mask at ``density``, by the chosen passes (its
+        segments' ``k`` kept per density, as :meth:`counts`)."""
+        segs = self._segments.get(density)
+        if segs is None:
+            if len(self._segments) > 64:
+                self._segments.clear()
+            segs = self._segments[density] = own_segments(self.part, self.comm.rank,
+                                                          self.layout, min(density, 1.0))
+        return topk_own_mask(stat_own, self.part, self.comm.rank, self.layout, density,
+                             self.passes, segs)
 
     @property
     def mask_cur(self) -> torch.Tensor | None:
@@ -196,13 +209,11 @@ class ScapeStrategy(OptimizerStrategy):
             # the top-k of the averaged momentum m_t (spec §2 line 9, start step), read after
             # the update: every owner holds m_t on its segments
             metrics, _ = engine.update(mask, lr, t, counts)
-            own_bits = topk_own_mask(self._own_momentum(), self.part, self.comm.rank,
-                                     self.layout, d_next)
+            own_bits = self._topk(self._own_momentum(), d_next)
         else:
             if self.cfg.mask_hysteresis > 0:
                 stat = self._with_hysteresis(stat, mask)
-            next_topk = functools.partial(topk_own_mask, stat, self.part, self.comm.rank,
-                                          self.layout, d_next)
+            next_topk = functools.partial(self._topk, stat, d_next)
             # an engine that overlaps runs it during its payload's collective and returns its
             # bits; the others return None and it runs here
             metrics, own_bits = engine.update(mask, lr, t, counts, during_payload=next_topk)
@@ -257,7 +268,7 @@ class ScapeStrategy(OptimizerStrategy):
         if density >= 1.0:
             return Mask.of(torch.ones(self.layout.total, dtype=torch.bool,
                                       device=self.layout.device))
-        bits = topk_own_mask(stat, self.part, self.comm.rank, self.layout, density)
+        bits = self._topk(stat, density)
         return self.exchange.start(bits, density, async_op=False).mask()
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from ...host_to_device import upload
 from . import kernels, torch_codecs
-from .passes import AdamSStep, ParamSegment
+from .passes import AdamSStep, Clip, ParamSegment, clip_coef
 
 
 def _sq(x: torch.Tensor) -> torch.Tensor:
@@ -35,6 +35,7 @@ class TorchPasses:
     unpack_bits = staticmethod(kernels.unpack_bits)
     encode_mask = staticmethod(torch_codecs.encode_mask)
     decode_mask = staticmethod(torch_codecs.decode_mask)
+    topk_mask = staticmethod(kernels.topk_segments)
 
     def __init__(self):
         self._views_key: tuple | None = None
@@ -147,13 +148,13 @@ class TorchPasses:
 
     def adams(self, idx: torch.Tensor, j0: int, base: int, ghat: torch.Tensor,
               m_old: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
-              segs: list[ParamSegment], hp: AdamSStep, coef: torch.Tensor | None,
+              segs: list[ParamSegment], hp: AdamSStep, clip: Clip | None,
               out: torch.Tensor | None = None) -> None:
         """§2 lines 5-7 at the mask entries ``idx[j0:j0 + k]``, ``adams_update_``'s ops on the
         gathered values (see :meth:`.triton_passes.TritonPasses.adams`); ``m_old`` is
         overwritten."""
         k = ghat.numel()
-        g = ghat if coef is None else ghat * coef
+        g = ghat if clip is None else ghat * clip_coef(*clip)
         if out is None:
             self.decay(segs)           # θ·dec first, as adams_update_ orders it
         theta = self.params_at(idx, segs)

@@ -20,7 +20,8 @@ every owner whatever their sizes, and no block spans two segments.
 - encode (owner): the shard is zeroed as int32 words. Bitmap segments are packed with plain byte
   stores (each program owns its bytes). Indices / Elias-Fano: count, scan, then every one ORs its
   ``width``-bit field (and, Elias-Fano, its upper bit ``h + j``) into the words with
-  ``atomic_or``: neighbouring fields share words, and OR gives the same bits in any order.
+  ``atomic_or``: neighbouring fields share words, and OR gives the same bits in any order, so
+  the atomics are relaxed (Triton's default, acq_rel at GPU scope, orders memory for nothing).
 - decode (every rank): a zeroed mask, then each segment writes its ones and their sorted flat
   indices: ``all`` and ``indices`` segments per one (the field ``j`` is the ``j``-th one),
   bitmaps and Elias-Fano upper vectors through the scan (``p = ((pos - j) << L) | low_j``).
@@ -95,8 +96,12 @@ def _stream_bits(src_ptr, tab_ptr, PACKED: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _count_kernel(src_ptr, tab_ptr, counts_ptr, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+    """The task's popcount into ``counts[pid + 1]`` (program 0 also zeroes ``counts[0]``: an
+    inclusive scan of them is the exclusive scan of the popcounts)."""
     _, bits = _stream_bits(src_ptr, tab_ptr, PACKED, BLOCK)
-    tl.store(counts_ptr + tl.program_id(0), tl.sum(bits, axis=0).to(tl.int64))
+    pid = tl.program_id(0)
+    tl.store(counts_ptr + pid + 1, tl.sum(bits, axis=0).to(tl.int64))
+    tl.store(counts_ptr, tl.zeros([], tl.int64), mask=pid == 0)
 
 
 @triton.jit
@@ -132,8 +137,8 @@ def _or_bits(words_ptr, bit, value, valid):
     shifted = value << (bit & 31)
     lo = shifted.to(tl.int32)
     hi = (shifted >> 32).to(tl.int32)
-    tl.atomic_or(words_ptr + word, lo, mask=valid & (lo != 0))
-    tl.atomic_or(words_ptr + word + 1, hi, mask=valid & (hi != 0))
+    tl.atomic_or(words_ptr + word, lo, mask=valid & (lo != 0), sem="relaxed")
+    tl.atomic_or(words_ptr + word + 1, hi, mask=valid & (hi != 0), sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,11 +277,12 @@ def _encode_tables(segs: list[SegCode], lo: int, device: torch.device) -> dict:
 
 def _block_starts(src: torch.Tensor, tab: torch.Tensor, packed: bool, name: str, nbytes: int
                   ) -> torch.Tensor:
-    """Each task's first scan slot: the exclusive prefix sum of the tasks' popcounts."""
-    counts = torch.empty(tab.shape[0], dtype=torch.int64, device=src.device)
+    """Each task's first scan slot: the exclusive prefix sum of the tasks' popcounts (one
+    ``cumsum`` over them behind a zero)."""
+    counts = torch.empty(tab.shape[0] + 1, dtype=torch.int64, device=src.device)
     launch(_count_kernel, (tab.shape[0],), name, nbytes, src, tab, counts, PACKED=packed,
            BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return torch.cumsum(counts, dim=0).sub_(counts)
+    return torch.cumsum(counts, dim=0)
 
 
 def encode_mask(plan, own_bits: torch.Tensor, rank: int) -> torch.Tensor:
@@ -315,7 +321,7 @@ def _emit(words_ptr, idx_ptr, tab_ptr, j, p, valid):
     valid = valid & (p >= 0) & (p < _col(tab_ptr, NUMEL)) & (j < _col(tab_ptr, K))
     flat = _col(tab_ptr, FLAT) + p
     bit = tl.full(p.shape, 1, tl.int32) << (flat & 31).to(tl.int32)
-    tl.atomic_or(words_ptr + (flat >> 5), bit, mask=valid)
+    tl.atomic_or(words_ptr + (flat >> 5), bit, mask=valid, sem="relaxed")
     tl.store(idx_ptr + _col(tab_ptr, AT) + j, flat, mask=valid)
 
 

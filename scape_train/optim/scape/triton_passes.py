@@ -7,7 +7,8 @@ the density schedule gives; each call is counted as one pass by the active
 
 - **Nothing is read back to the host.** Sums (Σ c², Σ ĝ², ...) come back as 0-d float64 tensors
   on the device (per-program partial sums added by one ``sum``), and :meth:`TritonPasses.adams`
-  takes the clipping coefficient as a device tensor. Grid sizes come from host-known counts.
+  takes the gradient norm as a device tensor and computes the clipping coefficient from it in
+  the kernel. Grid sizes come from host-known counts.
 - **One flat gradient**: the prepare reads the flat gradient buffer (``optimizer.flat_grads``,
   the default) as one tensor; autograd's own per-tensor gradients take the torch passes.
 - **The parameters' segments in one launch**, as torch's multi-tensor apply does it: a device
@@ -32,9 +33,9 @@ import triton
 import triton.language as tl
 
 from ...host_to_device import host_table, upload
-from . import triton_codecs
+from . import triton_codecs, triton_select
 from .counted_launch import count, run
-from .passes import AdamSStep, ParamSegment, flat_buffer
+from .passes import AdamSStep, Clip, ParamSegment, flat_buffer
 
 FULL_BLOCK = 4096      # elements per program of a full-size pass
 K_BLOCK = 1024         # index-list entries per program of a k-sized pass
@@ -172,12 +173,14 @@ def _decay_kernel(blocks, param_table, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _adams_kernel(blocks, param_table, idx, j0, base, ghat, m, out, m_old, coef, beta1, beta2,
-                  omb1, omb2, bc1, sqrt_bc2, eps, ns, CLIP: tl.constexpr, HAS_OUT: tl.constexpr,
-                  BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _adams_kernel(blocks, param_table, idx, j0, base, ghat, m, out, m_old, norm, max_norm,
+                  beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, CLIP: tl.constexpr,
+                  HAS_OUT: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """AdamS at one segment block of the mask (``adams_update_``'s arithmetic, op for op): θ
     updated (the decay pass has run), or θ·dec + the update written to out; m[i] ← m'.
-    ``m_old``: m at the mask, from the ĝ pass (before m was zeroed)."""
+    ``m_old``: m at the mask, from the ĝ pass (before m was zeroed). CLIP: ĝ times
+    ``passes.clip_coef(norm, max_norm)``, rounded as torch's ops round it (``+ 1e-6`` in
+    float32, a reciprocal, a product, then at most 1)."""
     pid = tl.program_id(0)
     row = param_table + 8 * tl.load(blocks + 2 * pid)
     j = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
@@ -185,7 +188,8 @@ def _adams_kernel(blocks, param_table, idx, j0, base, ghat, m, out, m_old, coef,
     i = tl.load(idx + j, mask=keep, other=0)
     g = tl.load(ghat + (j - j0), mask=keep, other=0.0)
     if CLIP:
-        g = g * tl.load(coef)
+        coef = tl.div_rn(1.0, tl.load(norm) + 1e-6) * max_norm
+        g = g * tl.where(coef > 1.0, 1.0, coef)
     mo = tl.load(m_old + (j - j0), mask=keep, other=0.0)
     if BIAS == 2:
         prev = tl.div_rn(mo, bc1)
@@ -233,7 +237,7 @@ def _mark_bits_kernel(idx, k, words, BLOCK: tl.constexpr):
     keep = j < k
     i = tl.load(idx + j, mask=keep, other=0)
     bit = tl.full((BLOCK,), 1, tl.int32) << (i & 31).to(tl.int32)
-    tl.atomic_or(words + (i >> 5), bit, mask=keep)
+    tl.atomic_or(words + (i >> 5), bit, mask=keep, sem="relaxed")
 
 
 @triton.jit
@@ -275,6 +279,14 @@ class TritonPasses:
         self.device = torch.device(device)
         self._tables: dict[tuple, torch.Tensor] = {}
 
+    def topk_mask(self, stat: torch.Tensor, segments: tuple[tuple[int, int, int], ...]
+                  ) -> torch.Tensor:
+        """The next mask's bits: every segment's top-k of ``|stat|`` in a fixed number of
+        launches (:mod:`.triton_select`; its tables cached per segment list)."""
+        plan = self._cached(("select", segments),
+                            lambda: triton_select.SelectPlan(list(segments), self.device))
+        return triton_select.topk_mask(plan, stat)
+
     # -- device tables ---------------------------------------------------------------------
     def _cached(self, key: tuple, build) -> torch.Tensor:
         hit = self._tables.get(key)
@@ -313,22 +325,28 @@ class TritonPasses:
         return self._blocks([s.a for s in segs], [s.b for s in segs], K_BLOCK, False)
 
     def _parts(self, n: int, dtype=torch.float64) -> torch.Tensor:
-        return torch.zeros(max(n, 1), dtype=dtype, device=self.device)
+        """Per-program partial sums, each written by its program (none: one zero)."""
+        if not n:
+            return torch.zeros(1, dtype=dtype, device=self.device)
+        return torch.empty(n, dtype=dtype, device=self.device)
 
     # -- launch helpers -------------------------------------------------------------------
-    def _over_k(self, k: int, launch, dtype=torch.float64, sums: bool = True):
+    def _over_k(self, k: int, launch, dtype=torch.float64, sums: bool = True, parts=None):
         """A pass over ``k`` index-list entries as ``launch(first, n, parts)`` calls: the whole
         blocks in one (n a multiple of the block, which Triton specializes as divisible by 16,
         so the mask is uniform over each thread's run and aligned streams load 16 bytes at a
         time), the tail block in another. Per-block partial sums in block order, as one
-        launch would leave them; returns their sum (``sums=False``: a pass without any)."""
-        parts = self._parts(triton.cdiv(k, K_BLOCK), dtype) if sums else None
+        launch would leave them; returns their sum (``sums=False``: a pass without any;
+        ``parts``: the caller's ``cdiv(k, K_BLOCK)`` of them, which it sums)."""
+        own = parts is None and sums
+        if own:
+            parts = self._parts(triton.cdiv(k, K_BLOCK), dtype)
         main = k - k % K_BLOCK
         if main:
             launch(0, main, parts)
         if k > main:
             launch(main, k - main, None if parts is None else parts[main // K_BLOCK:])
-        return None if parts is None else parts.sum()
+        return parts.sum() if own else None
 
     def _gather(self, idx, src, out, base: int = 0, take: bool = False) -> torch.Tensor:
         def launch(a, n, parts):
@@ -350,16 +368,19 @@ class TritonPasses:
             run(_decay_kernel, (blocks.numel() // 3,), blocks, self._param_table(sel),
                 BLOCK=FULL_BLOCK, **_OPTS)
 
-    def _prepare(self, g, e, s, *, m=None, beta1=0.0, lo=0, hi=0, rho=None, cand=None
-                 ) -> torch.Tensor:
-        """One launch of the full-size prepare over the flat gradient ``g``; returns Σ c²."""
+    def _prepare(self, g, e, s, *, m=None, beta1=0.0, lo=0, hi=0, rho=None, cand=None,
+                 parts=None) -> torch.Tensor | None:
+        """One launch of the full-size prepare over the flat gradient ``g``; returns Σ c²
+        (``parts``: the caller's per-block sums, which it sums)."""
         nblk = triton.cdiv(g.numel(), FULL_BLOCK)
-        parts = self._parts(nblk)
+        own = parts is None
+        if own:
+            parts = self._parts(nblk)
         if nblk:         # unused pointers stand in for absent ones
             run(_prepare_kernel, (nblk,), g.numel(), g, e, e if m is None else m, parts, beta1,
                 s, lo, hi, e if rho is None else rho, e if cand is None else cand,
                 GENERAL=m is not None, CAND=cand is not None, BLOCK=FULL_BLOCK, **_OPTS)
-        return parts.sum()
+        return parts.sum() if own else None
 
     @staticmethod
     def _flat(grads: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
@@ -381,12 +402,15 @@ class TritonPasses:
         e[pidx] ← β1·m + s·g; Σ c²."""
         count("prepare", 12 * offsets[-1] + 24 * pidx.numel())
         g = self._flat(grads, offsets)
-        sq = self._prepare(g, e, s)
+        nblk = triton.cdiv(g.numel(), FULL_BLOCK)
+        parts = self._parts(nblk + triton.cdiv(pidx.numel(), K_BLOCK))   # both launches' sums
+        self._prepare(g, e, s, parts=parts[:nblk])
 
-        def launch(a, n, parts):
-            run(_prepare_fix_kernel, (triton.cdiv(n, K_BLOCK),), n, pidx[a:], g, e, m, parts,
-                beta1, s, BLOCK=K_BLOCK, **_OPTS)
-        return sq + self._over_k(pidx.numel(), launch)
+        def launch(a, n, fix_parts):
+            run(_prepare_fix_kernel, (triton.cdiv(n, K_BLOCK),), n, pidx[a:], g, e, m,
+                fix_parts, beta1, s, BLOCK=K_BLOCK, **_OPTS)
+        self._over_k(pidx.numel(), launch, parts=parts[nblk:])
+        return parts.sum()
 
     def prepare_sharded(self, grads: list[torch.Tensor], offsets: list[int], x: torch.Tensor,
                         rho: torch.Tensor, m: torch.Tensor, pidx_own: torch.Tensor, lo: int,
@@ -432,11 +456,12 @@ class TritonPasses:
 
     def adams(self, idx: torch.Tensor, j0: int, base: int, ghat: torch.Tensor,
               m_old: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
-              segs: list[ParamSegment], hp: AdamSStep, coef: torch.Tensor | None,
+              segs: list[ParamSegment], hp: AdamSStep, clip: Clip | None,
               out: torch.Tensor | None = None) -> None:
         """§2 lines 5-7 at the mask entries ``idx[j0:j0 + k]`` (``ghat``, ``m_old``: their k
         values): m zeroed on ``old_support`` (indices into m; ``None``: everywhere), then
-        m[idx - base] ← β1·m_old + (1-β1)·ĝ·coef; θ ← θ·dec + the AdamS update on ``segs``, the
+        m[idx - base] ← β1·m_old + (1-β1)·ĝ·coef (``clip``: coef from the norm, else 1);
+        θ ← θ·dec + the AdamS update on ``segs``, the
         segments' other elements decayed in the same walk, or (``out``) θ·dec + the update
         written to ``out`` and θ left as it is."""
         k = ghat.numel()
@@ -454,9 +479,10 @@ class TritonPasses:
             return
         run(_adams_kernel, (blocks.numel() // 2,), blocks, self._param_table(segs), idx, j0,
             base, ghat, m, ghat if out is None else out, m_old,
-            ghat if coef is None else coef.reshape(1).to(torch.float32), hp.beta1, hp.beta2,
+            ghat if clip is None else clip.norm, 0.0 if clip is None else clip.max_norm,
+            hp.beta1, hp.beta2,
             1.0 - hp.beta1, 1.0 - hp.beta2, hp.bc1, hp.sqrt_bc2, hp.eps, -hp.step_size,
-            CLIP=coef is not None, HAS_OUT=out is not None, BIAS=_BIAS[hp.bias_correction],
+            CLIP=clip is not None, HAS_OUT=out is not None, BIAS=_BIAS[hp.bias_correction],
             BLOCK=K_BLOCK, **_OPTS)
 
     def scatter_params(self, idx: torch.Tensor, segs: list[ParamSegment], values: torch.Tensor
