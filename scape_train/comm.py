@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -449,6 +450,8 @@ class ReplicaComm(Comm):
         self.enabled, self.backend = True, "torchft"
         self.quorum_started = False
         self.last_vote: bool | None = None
+        self.last_error: Exception | None = None
+        self.kill_at_vote: int | None = None    # fault injection (tests): see elastic/replica.py
 
     @property
     def rank(self) -> int:
@@ -494,6 +497,9 @@ class ReplicaComm(Comm):
         return Handle(self, kind)
 
     def commit(self) -> bool:
+        if self.kill_at_vote == self.manager.current_step():
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.last_error = self.manager.errored()
         self.last_vote = bool(self.manager.should_commit())
         return self.last_vote
 

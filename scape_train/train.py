@@ -497,10 +497,10 @@ def run(cfg: Config) -> dict[str, Any]:
         if "elastic" in summary:
             e = summary["elastic"]
             print(f"elastic: replica {e['slot']}, {e['committed_rounds']} committed rounds, "
-                  f"quorum at the end {e['quorum']}; survived: {len(e['left'])} leaves "
-                  f"{e['left']}, {len(e['joined'])} joins {e['joined']}, "
-                  f"{len(e['failed_rounds'])} failed rounds {e['failed_rounds']}, healed at "
-                  f"rounds {e['healed_at']} ((round, replica) pairs)")
+                  f"quorum at the end {e['quorum']}; faults survived: {len(e['left'])} left "
+                  f"(round, replica) {e['left']}, {len(e['joined'])} joined {e['joined']}, "
+                  f"{len(e['failed_rounds'])} rounds failed {e['failed_rounds']}; healed from a "
+                  f"peer at rounds {e['healed_at']}")
         _print_sample(trainer, summary)
     return summary
 

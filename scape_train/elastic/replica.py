@@ -46,6 +46,10 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 def import_torchft():
     """torchft, imported only by elastic runs; a clear error where it is not installed."""
     os.environ.setdefault("RUST_LOG", "warn")     # torchft's servers log every quorum at info
+    # torchft logs every quorum and vote, and a lost peer with a traceback; this package reports
+    # them itself, one line each (ReplicaGroup.begin_round / end_round)
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         import torchft.manager
         import torchft.process_group
@@ -123,6 +127,11 @@ class ReplicaGroup:
         self.quorum_s = 0.0                         # time spent waiting for quorums
         self._healed_now = False
         self._events = open(self.run_dir / EVENTS_FILE, "a")
+        # Fault injection for tests (docs/reliability.md), off unless set:
+        # SCAPE_FAULT_KILL_AT_VOTE=R SIGKILLs this worker in round R after its exchange, before
+        # its vote (the others finished the exchange with it: a death at the round itself).
+        kill_at = os.environ.get("SCAPE_FAULT_KILL_AT_VOTE", "")
+        self.comm.kill_at_vote = int(kill_at) if kill_at.strip() else None
 
     # -- the round ---------------------------------------------------------------------------
     def _heal(self, state: dict) -> None:
@@ -134,6 +143,8 @@ class ReplicaGroup:
         the others heals here). Returns what changed, as log lines."""
         start = time.perf_counter()
         self._healed_now = False
+        if not self.comm.quorum_started:
+            self._write({"slot": self.slot, "first_quorum_request": True})
         self.comm.quorum_started = True
         self.manager.start_quorum()
         self.quorum_s += time.perf_counter() - start
@@ -164,12 +175,18 @@ class ReplicaGroup:
             os.replace(path.with_suffix(".tmp"), path)
         else:
             self.failed_rounds.append(t)
-            log.warning("elastic: round %d did not commit (a participant was lost); this "
-                        "worker keeps its parameters and its drift joins the next round", t)
-        row = {"time": time.time(), "slot": self.slot, "round": t, "step": step,
+            error = self.comm.last_error
+            cause = str(getattr(error, "original_exception", error)).splitlines()[0] if error \
+                else "another participant's exchange failed"
+            log.warning("elastic: round %d did not commit (%s); this worker keeps its parameters "
+                        "and its drift joins the next round", t, cause)
+        self._write({"slot": self.slot, "round": t, "step": step,
                "committed": committed, "quorum": self.members, "healed": self._healed_now,
-               "batches": loader_state["counters"]["batches"]}
-        self._events.write(json.dumps(row) + "\n")
+               "batches": loader_state["counters"]["batches"]})
+
+    def _write(self, row: dict) -> None:
+        """One line of ``elastic.jsonl`` (every life of this worker appends to it)."""
+        self._events.write(json.dumps({"time": time.time(), "pid": os.getpid(), **row}) + "\n")
         self._events.flush()
 
     def resume_cursor(self, loader) -> bool:
@@ -182,6 +199,8 @@ class ReplicaGroup:
             raise ValueError(f"{path} holds the data cursor of slot {saved['slot']}, but this "
                              f"worker is slot {self.slot}: give each worker its own run_dir")
         loader.load_state_dict(saved["loader"])
+        self._write({"slot": self.slot, "resumed_round": saved["round"],
+                     "resumed_batches": saved["loader"]["counters"]["batches"]})
         log.info("elastic: slot %d resumes its data shard where it last committed (round %d)",
                  self.slot, saved["round"])
         return True
