@@ -255,18 +255,17 @@ class Trainer:
         # files, read for the range this rank holds now (checkpoints without a replicated
         # file hold everything in the rank files, which this reads just the same)
         own = ckpt.per_rank
-        train = self._load_parts(ckpt.model, ckpt.replicated, own, ckpt.shards)
+        self.model.load_state_dict(ckpt.model)
+        train = self._load_strategy(ckpt.replicated, own, ckpt.shards)
         self.train_loader.load_state_dict(own["data"])
         set_rng_state(own["rng"])
         self.state = TrainState(**train)
         self.comm.sent_before = self.state.sent_bytes
         log.info("resumed from %s at step %d", path, self.state.step)
 
-    def _load_parts(self, model_state: dict, replicated: dict, per_rank: dict,
-                    shards=None) -> dict:
-        """The model and the strategy from a checkpoint's pieces (or a live peer's, elastic);
-        returns the train counters."""
-        self.model.load_state_dict(model_state)
+    def _load_strategy(self, replicated: dict, per_rank: dict, shards=None) -> dict:
+        """The strategy from a checkpoint's pieces (or, elastic, a live peer's); returns the
+        train counters."""
         self.strategy.load_checkpoint_state(
             StateParts(replicated=replicated.get("optimizer", {}),
                        per_rank=per_rank.get("optimizer", {})), shards)
@@ -274,17 +273,17 @@ class Trainer:
 
     def _replica_state(self) -> dict:
         """What a healing worker takes from this one (elastic): the pieces of a checkpoint, by
-        the same interface (``checkpoint_state``), less this worker's data cursor and RNG."""
+        the same interface (``checkpoint_state``), less this worker's data cursor and RNG. A
+        local-step strategy's state holds the parameters (theta0), so no model file is sent."""
         parts = trainer_parts(self.strategy.checkpoint_state(), data={}, rng={},
                               train=dataclasses.asdict(self.state),
                               synchronous=self.strategy.synchronous)
-        return {"model": self.model.state_dict(), "replicated": parts.replicated,
-                "per_rank": parts.per_rank}
+        return {"replicated": parts.replicated, "per_rank": parts.per_rank}
 
     def _load_replica_state(self, state: dict) -> None:
-        """Heal from a live peer: its model, strategy state and step; this worker keeps its own
-        data shard and position, RNG and token count."""
-        train = self._load_parts(state["model"], state["replicated"], state["per_rank"])
+        """Heal from a live peer: its committed point and step (the strategy keeps this worker's
+        own uncommitted drift); this worker keeps its data shard and position, RNG and tokens."""
+        train = self._load_strategy(state["replicated"], state["per_rank"])
         self.state.step, self.state.nan_skips = int(train["step"]), 0
 
     def save_checkpoint(self) -> Path:

@@ -111,7 +111,9 @@ class ElasticJob:
         for s in slots:
             p = self.workers[s]
             assert p.returncode == 0, f"worker {s} ended with {p.returncode}:\n{fj.logs(p)[-3000:]}"
-            assert "Traceback" not in fj.logs(p), fj.logs(p)[-3000:]
+            # torchft's checkpoint server prints a peer's broken download with a traceback of
+            # its own; the trainer must raise nothing
+            assert f'File "{fj.REPO / "scape_train"}' not in fj.logs(p), fj.logs(p)[-3000:]
 
     # -- results -----------------------------------------------------------------------------
     def final_params(self, slot: int) -> dict[str, torch.Tensor]:

@@ -171,21 +171,36 @@ class LocalStepStrategy(OptimizerStrategy):
         return StateParts(per_rank=state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_named_state_dict(self.optimizer, state["optimizer"], self._names)
+        """This worker's state, or another worker's (``owner`` differs: a worker healing from a
+        live peer). From another worker it takes the committed point (theta0, y_prev, the
+        round counters) and keeps its own drift since its last committed round, which joins the
+        next round (zero for a restarted process), with its own inner optimizer state where it
+        has one."""
+        foreign = state.get("owner", self.owner) != self.owner
+        own_drift = None
+        if foreign and self.uncommitted_steps > 0:
+            with torch.no_grad():
+                own_drift = [p - self.outer.state.on(a, p.device)
+                             for p, a in zip(self.params, self.outer.state.anchor)]
+        if not (foreign and own_drift is not None):
+            load_named_state_dict(self.optimizer, state["optimizer"], self._names)
         self.outer.state.load_state_dict(state["outer"])
         self.rounds_done = int(state["rounds_done"])
         self.steps_in_round = int(state["steps_in_round"])
         self.local_step = int(state["local_step"])
         self.sync_step = int(state["sync_step"])
-        self.uncommitted_steps = int(state.get("uncommitted_steps", state["steps_in_round"]))
         source = state.get("params")
-        if state.get("owner", self.owner) != self.owner:
-            # another worker's state (healing from a live peer): its committed point, not its
-            # drift since, which that worker brings to the next round itself
-            source, self.steps_in_round, self.uncommitted_steps = None, 0, 0
+        if foreign:
+            source, self.steps_in_round = None, 0
             self.local_step = self.sync_step
+            if own_drift is None:
+                self.uncommitted_steps = 0
+        else:
+            self.uncommitted_steps = int(state.get("uncommitted_steps", state["steps_in_round"]))
         source = source or dict(zip(self.param_names, self.outer.state.anchor))
         with torch.no_grad():
-            for n, p in zip(self.param_names, self.params):
+            for i, (n, p) in enumerate(zip(self.param_names, self.params)):
                 p.copy_(source[n])   # this worker's own replica (GASLoC replicas differ)
+                if own_drift is not None:
+                    p.add_(own_drift[i])
         self._clock = self._last_mark = None
