@@ -2,7 +2,7 @@
 per worker (each its own torchft replica group), hurt at real points.
 
     job = ElasticJob(tmp_path, cache, "trainer.max_steps=100")
-    job.start_lighthouse(); job.start(0); job.start(1); job.start(2)
+    job.launch(3)                       # the lighthouse and workers 0, 1, 2
     job.wait_rows(2, 3)                 # worker 2 committed or failed 3 rounds
     job.signal(2, SIGKILL)
     job.wait_done([0, 1])
@@ -49,6 +49,12 @@ class ElasticJob:
         cmd = [sys.executable, "-m", "scape_train.elastic", "lighthouse", "--port",
                str(self.port), "--join-timeout-ms", "2000", "--heartbeat-timeout-ms", "2000"]
         self.lighthouse = fj.launch(cmd, self.root / "logs" / f"lighthouse{len(self.old)}")
+
+    def launch(self, workers: int, env: dict[int, dict[str, str]] | None = None) -> None:
+        """The lighthouse, then workers ``0 .. workers-1`` (``env``: a slot's extra variables)."""
+        self.start_lighthouse()
+        for s in range(workers):
+            self.start(s, env=(env or {}).get(s))
 
     def run_dir(self, slot: int) -> Path:
         return self.root / f"r{slot}"

@@ -38,10 +38,11 @@ def cache(tmp_path_factory):
 def job_factory(tmp_path, cache):
     jobs = []
 
-    def make(*extra: str, strategy: str = "diloco", name: str = "job") -> ElasticJob:
-        job = ElasticJob(tmp_path / name, cache, *extra, strategy=strategy)
+    def make(*extra: str, strategy: str = "diloco", env: dict | None = None) -> ElasticJob:
+        """A lighthouse and workers 0, 1, 2 (``env``: a slot's extra environment)."""
+        job = ElasticJob(tmp_path / "job", cache, *extra, strategy=strategy)
         jobs.append(job)
-        job.start_lighthouse()
+        job.launch(3, env)
         return job
 
     yield make
@@ -54,9 +55,7 @@ def fault_free(tmp_path_factory, cache):
     """Three workers, no fault: the reference loss for the short rows."""
     job = ElasticJob(tmp_path_factory.mktemp("fault_free"), cache, f"trainer.max_steps={ROUNDS * H}")
     try:
-        job.start_lighthouse()
-        for s in range(3):
-            job.start(s)
+        job.launch(3)
         job.wait_done(range(3))
         return job
     finally:
@@ -132,8 +131,6 @@ def test_fault_free_workers_hold_the_same_parameters(fault_free):
 
 def test_worker_killed_at_an_inner_step(job_factory, fault_free):
     job = job_factory(f"trainer.max_steps={ROUNDS * H}")
-    for s in range(3):
-        job.start(s)
     job.wait_until(fj.metrics_lines(job.run_dir(2), 3 * H + 2), "worker 2 mid-round 4")
     job.signal(2, signal.SIGKILL)
     job.wait_done([0, 1])
@@ -148,10 +145,7 @@ def test_worker_killed_at_an_inner_step(job_factory, fault_free):
 
 @pytest.mark.slow
 def test_worker_killed_at_the_outer_round(job_factory, fault_free):
-    job = job_factory(f"trainer.max_steps={ROUNDS * H}")
-    for s in range(2):
-        job.start(s)
-    job.start(2, env={"SCAPE_FAULT_KILL_AT_VOTE": "4"})
+    job = job_factory(f"trainer.max_steps={ROUNDS * H}", env={2: {"SCAPE_FAULT_KILL_AT_VOTE": "4"}})
     job.wait_done([0, 1])
     assert job.workers[2].returncode == -signal.SIGKILL
     same_params(job, [0, 1])
@@ -165,8 +159,6 @@ def test_worker_killed_at_the_outer_round(job_factory, fault_free):
 @pytest.mark.slow
 def test_worker_frozen_past_the_timeout_then_heals(job_factory):
     job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
-    for s in range(3):
-        job.start(s)
     job.wait_rows(2, 3)
     job.signal(2, signal.SIGSTOP)
     frozen = len(job.rounds(0))
@@ -185,8 +177,6 @@ def test_worker_frozen_past_the_timeout_then_heals(job_factory):
 @pytest.mark.slow
 def test_killed_worker_restarts_resumes_its_shard_and_heals(job_factory):
     job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
-    for s in range(3):
-        job.start(s)
     job.wait_until(fj.metrics_lines(job.run_dir(2), 3 * H + 2), "worker 2 mid-round 4")
     job.signal(2, signal.SIGKILL)
     job.workers[2].wait()
@@ -202,8 +192,6 @@ def test_killed_worker_restarts_resumes_its_shard_and_heals(job_factory):
 @pytest.mark.slow
 def test_fourth_worker_joins_mid_run(job_factory):
     job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
-    for s in range(3):
-        job.start(s)
     job.wait_rows(0, 3)
     job.start(3)
     job.wait_done([0, 1, 2, 3], limit_s=300)
@@ -218,8 +206,6 @@ def test_fourth_worker_joins_mid_run(job_factory):
 @pytest.mark.slow
 def test_lighthouse_killed_and_restarted(job_factory):
     job = job_factory(f"trainer.max_steps={40 * H}", *SLOW)
-    for s in range(3):
-        job.start(s)
     job.wait_rows(0, 3)
     job.lighthouse.kill()
     job.lighthouse.wait()
@@ -235,8 +221,6 @@ def test_lighthouse_killed_and_restarted(job_factory):
 def test_gasloc_2peer_worker_killed_peers_drawn_among_the_live(job_factory):
     job = job_factory(f"trainer.max_steps={ROUNDS * H}", "strategy.topology=2peer",
                       strategy="gasloc")
-    for s in range(3):
-        job.start(s)
     job.wait_until(fj.metrics_lines(job.run_dir(2), 3 * H + 2), "worker 2 mid-round 4")
     job.signal(2, signal.SIGKILL)
     job.wait_done([0, 1])
