@@ -13,7 +13,7 @@ class ElasticConfig:
     Each worker is one process and one replica group with its own torchft ``Manager``; a
     lighthouse (``python -m scape_train.elastic lighthouse``) decides which workers take part in
     each round. See docs/gasloc.md (the commit rule) and docs/reliability.md (the faults)."""
-    enabled: bool = False
+    enabled: bool = False             # each worker a torchft replica group (pip install .[elastic])
     lighthouse: str = ""              # http://HOST:PORT of the lighthouse ("" = $TORCHFT_LIGHTHOUSE)
     replica: int = -1                 # this worker's slot in [0, slots): its name and data shard
     slots: int = 0                    # data shards (the most workers a run may have at once)
