@@ -48,8 +48,9 @@ def round_seconds(run_dir: Path, h: int) -> float:
 
 def run(kind: str, root: Path, args) -> float:
     """One job of ``kind`` (plain | elastic); the workers' mean round time in seconds."""
-    job = [*JOB, f"strategy.inner_steps={args.inner_steps}",
-           f"trainer.max_steps={args.rounds * args.inner_steps}"]
+    steps = args.rounds * args.inner_steps
+    job = [*JOB, f"strategy.inner_steps={args.inner_steps}", f"trainer.max_steps={steps}",
+           f"trainer.warmup_steps={min(40, steps // 4)}"]
     procs, lighthouse, port = [], None, free_port()
     logs = open(root / f"{kind}.log", "ab")
     try:
@@ -94,18 +95,19 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=30)
     args = ap.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeats):
-            root = Path(tmp) / f"r{i}"
-            root.mkdir()
-            t = {}
-            for kind in (("plain", "elastic") if i % 2 == 0 else ("elastic", "plain")):
-                start = time.time()
-                t[kind] = run(kind, root, args)
-                print(f"repeat {i} {kind}: {t[kind]:.3f} s per round (H={args.inner_steps}, "
-                      f"{args.workers} workers; run {time.time() - start:.0f} s; load "
-                      f"{os.getloadavg()[0]:.1f})", flush=True)
-            print(f"repeat {i}: elastic / plain = {t['elastic'] / t['plain']:.3f}", flush=True)
+    tmp = tempfile.mkdtemp(prefix="bench_elastic_")
+    print(f"run directories and logs: {tmp}", flush=True)
+    for i in range(args.repeats):
+        root = Path(tmp) / f"r{i}"
+        root.mkdir()
+        t = {}
+        for kind in (("plain", "elastic") if i % 2 == 0 else ("elastic", "plain")):
+            start = time.time()
+            t[kind] = run(kind, root, args)
+            print(f"repeat {i} {kind}: {t[kind]:.3f} s per round (H={args.inner_steps}, "
+                  f"{args.workers} workers; run {time.time() - start:.0f} s; load "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)
+        print(f"repeat {i}: elastic / plain = {t['elastic'] / t['plain']:.3f}", flush=True)
     print(f"load after: {os.getloadavg()}")
 
 
