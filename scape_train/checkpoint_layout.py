@@ -153,25 +153,9 @@ class AccountingComm(Comm):
 
 
 def materialize_for_accounting(strategy) -> None:
-    """ACCOUNTING ONLY, meta device only: allocate the state a strategy creates lazily in its
-    first step (a torch optimizer's moments, SCAPE's current and next masks) as empty meta
-    tensors, so that ``checkpoint_state()`` has the shapes of a checkpoint taken mid-run.
-    No value is computed and no collective issued."""
-    from scape_train.optim.scape.strategy import ScapeStrategy
-
-    params = [p for g in strategy.optimizer.param_groups for p in g["params"]] \
-        if getattr(strategy, "optimizer", None) is not None else []
-    if isinstance(strategy, ScapeStrategy):
-        lay = strategy.layout
-        if lay.device.type != "meta":
-            raise ValueError("materialize_for_accounting runs on meta-device strategies only")
-        strategy.set_masks(torch.empty(lay.total, dtype=torch.bool, device="meta"),
-                           torch.empty(lay.total, dtype=torch.bool, device="meta"))
-        return
-    if any(p.device.type != "meta" for p in params):
-        raise ValueError("materialize_for_accounting runs on meta-device strategies only")
-    for p in params:
-        p.grad = torch.empty_like(p)
-    strategy.optimizer.step()       # meta: shapes only
-    for p in params:
-        p.grad = None
+    """ACCOUNTING ONLY, meta device only: the state a strategy creates lazily in its first step,
+    allocated as empty meta tensors by the strategy itself
+    (:meth:`~scape_train.optim.base.OptimizerStrategy.materialize_lazy_state`), so that
+    ``checkpoint_state()`` has the shapes of a checkpoint taken mid-run. No value is computed and
+    no collective issued."""
+    strategy.materialize_lazy_state()

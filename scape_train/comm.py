@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -386,6 +387,12 @@ class Comm:
         return self._run(kind, _All(), async_op, None if async_op else (lambda: _All().wait()),
                          timer)
 
+    def commit(self) -> bool:
+        """The outer round's vote, after its exchange: may this worker apply the round? A static
+        group has nothing to vote on (a failed collective raises), so yes; :class:`ReplicaComm`
+        asks the torchft manager, where a round commits only if every participant votes for it."""
+        return True
+
     # -- control: objects and barriers (start-up, checkpoints, evaluation) -----------------
     def broadcast_object(self, obj, src: int = 0, *, kind: str = "control"):
         """``src``'s picklable ``obj`` on every rank (staged through ``device`` tensors)."""
@@ -424,3 +431,82 @@ class Comm:
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+
+class ReplicaComm(Comm):
+    """Counted collectives across torchft replica groups (``scape_train/elastic``): one worker
+    per replica group, joined by the managed process group of a ``torchft.Manager`` whose
+    members change between rounds. ``rank`` and ``world`` are this worker's place in the current
+    quorum (1 of 1 before the first). A collective that fails (a peer killed, or frozen past the
+    manager's timeout) does not raise: the manager records the error and :meth:`commit` then
+    returns False on every participant, so nobody applies the round. Only what the outer rounds
+    use is offered: the all-reduce (DiLoCo, complete-graph GASLoC) and the point-to-point
+    exchange (GASLoC's gossip); the rest raises."""
+
+    def __init__(self, manager, pg, device: torch.device | str = "cpu"):
+        self.manager, self.pg = manager, pg
+        self.group, self.device = None, torch.device(device)
+        self.stats, self.sent_before = defaultdict(KindStats), 0
+        self.enabled, self.backend = True, "torchft"
+        self.quorum_started = False
+        self.last_vote: bool | None = None
+        self.last_error: Exception | None = None
+        self.kill_at_vote: int | None = None    # fault injection (tests): see elastic/replica.py
+
+    @property
+    def rank(self) -> int:
+        return (self.manager.participating_rank() or 0) if self.quorum_started else 0
+
+    @property
+    def world(self) -> int:
+        return max(self.manager.num_participants(), 1) if self.quorum_started else 1
+
+    def all_reduce(self, tensor: torch.Tensor, *, kind: str, average: bool = True,
+                   op: str = "sum", async_op: bool = False) -> Handle:
+        if op != "sum" or async_op:
+            raise NotImplementedError("across replica groups only the blocking sum/mean "
+                                      f"all-reduce is offered, got op={op!r} async_op={async_op}")
+        from torch.distributed import ReduceOp
+
+        self._check(tensor)
+        n = ring_all_reduce_bytes(_nbytes(tensor), self.world)
+        self.count(kind, n, n)
+        timer = self._start_timer(kind, async_op=False)
+        # The manager divides by the participants itself (AVG); a failure is recorded, not raised.
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.AVG if average else ReduceOp.SUM).wait()
+        timer.stop()
+        return Handle(self, kind)
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                 *, kind: str, async_op: bool = False) -> Handle:
+        if async_op:
+            raise NotImplementedError("across replica groups the exchange is blocking")
+        self._check(*(t for t, _ in sends), *(t for t, _ in recvs))
+        if self.manager.errored() or not (sends or recvs):
+            return Handle(self, kind)
+        self.count(kind, sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs))
+        timer = self._start_timer(kind, async_op=False)
+        try:
+            works = [self.pg.send([t], peer, 0) for t, peer in sends]
+            works += [self.pg.recv([t], peer, 0) for t, peer in recvs]
+            for w in works:
+                w.wait()
+        except Exception as exc:  # noqa: BLE001 - a lost peer fails the round's vote, not the job
+            self.manager.report_error(exc)
+        timer.stop()
+        return Handle(self, kind)
+
+    def commit(self) -> bool:
+        if self.kill_at_vote == self.manager.current_step():
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.last_error = self.manager.errored()
+        self.last_vote = bool(self.manager.should_commit())
+        return self.last_vote
+
+    def _refuse(self, *args, **kwargs):
+        raise NotImplementedError("ReplicaComm carries the outer rounds' all-reduce and exchange "
+                                  "only; start-up, checkpoints and evaluation use the worker's "
+                                  "own process group")
+
+    all_gather = reduce_scatter = all_to_all = broadcast = _refuse
+    broadcast_object = all_gather_object = all_ok = barrier = _refuse

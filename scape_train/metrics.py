@@ -168,10 +168,12 @@ class MetricsLogger:
 
 # Progress-bar fields: (metric, label, scale). The optimizer-specific ones appear when the
 # strategy reports them: SCAPE its density and the MB it sends per step (payload + mask),
-# DiLoCo / GASLoC the outer round.
+# DiLoCo / GASLoC the outer round, an elastic run the workers in the current quorum.
 BAR_FIELDS = (("loss", "loss", 1.0), ("val_loss", "val_loss", 1.0), ("lr", "lr", 1.0),
               ("scape/density", "density", 1.0), ("comm/sent_bytes", "MB/step", 1e-6),
-              ("outer/round", "round", 1.0), ("tokens_per_s", "tok/s", 1.0), ("mfu", "mfu", 1.0))
+              ("outer/round", "round", 1.0), ("elastic/quorum", "quorum", 1.0),
+              ("tokens_per_s", "tok/s", 1.0), ("mfu", "mfu", 1.0))
+_COUNTS = ("outer/round", "elastic/quorum")
 
 
 def bar_fields(metrics: dict[str, Any]) -> dict[str, str]:
@@ -181,7 +183,7 @@ def bar_fields(metrics: dict[str, Any]) -> dict[str, str]:
         v = metrics.get(key)
         if not isinstance(v, (int, float)) or (key == "comm/sent_bytes" and v <= 0):
             continue
-        out[label] = f"{int(v)}" if key == "outer/round" else f"{v * scale:.3g}"
+        out[label] = f"{int(v)}" if key in _COUNTS else f"{v * scale:.3g}"
     return out
 
 

@@ -83,6 +83,11 @@ def _strategy_line(cfg: Any) -> str | None:
             f"momentum {s.outer_momentum:g}, inner optimizer {cfg.optimizer.name}")
     if s.round_budget_s > 0:
         line += f", round budget {s.round_budget_s:g}s"
+    if s.elastic.enabled:
+        e = s.elastic
+        line += (f"; elastic: replica {e.replica} of {e.slots} slots, lighthouse "
+                 f"{e.lighthouse or '$TORCHFT_LIGHTHOUSE'}, at least {e.min_replicas} per round, "
+                 f"a lost peer cut after {e.timeout_s:g}s")
     return line
 
 

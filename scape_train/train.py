@@ -172,20 +172,32 @@ class Trainer:
             from scape_train.init_from import load_init_weights
 
             load_init_weights(self.model, cfg.init_from)
+        self.replica = None       # elastic runs: this worker's torchft replica group
+        shard, shards = info.rank, info.world_size
         if cfg.strategy.name == "data_parallel":
             self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm,
                                             total_steps=cfg.trainer.max_steps)
         else:  # DiLoCo / GASLoC: the optimizer group's optimizer takes the inner steps
             from scape_train.optim.local import build_local_strategy
 
-            self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model, self.comm)
+            outer_comm = self.comm
+            if cfg.strategy.elastic.enabled:   # the outer rounds across torchft replica groups
+                from scape_train.elastic.replica import ReplicaGroup
+
+                self.replica = ReplicaGroup(cfg.strategy.elastic, self.run_dir,
+                                            self._replica_state, self._load_replica_state)
+                outer_comm = self.replica.comm
+                shard, shards = cfg.strategy.elastic.replica, cfg.strategy.elastic.slots
+            self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model, outer_comm)
         self.train_loader = build_train_loader(cfg.data, self.tokenizer, cfg.trainer.micro_batch_size,
-                                               info.rank, info.world_size,
+                                               shard, shards,
                                                pin_memory=info.device.type == "cuda")
         self.val_batches = build_val_batches(cfg.data, self.tokenizer, cfg.trainer.micro_batch_size,
                                              info.rank, info.world_size)
         self.state = TrainState()
         self._maybe_resume()
+        if self.replica is not None:   # newer than any checkpoint: the last committed round's
+            self.replica.resume_cursor(self.train_loader)
         t = cfg.trainer   # checkpoint-wrap, then compile, each block; the loss's chunking
         prepare_for_training(self.model, t.activation_checkpointing,
                              compile_enabled(t.compile, info.device), t.loss_chunk_tokens)
@@ -236,7 +248,6 @@ class Trainer:
                     if meta["model"].get(k) != v}
             raise CheckpointError(f"{path} was trained with another model shape "
                                   f"(checkpoint vs now: {diff}); nothing was loaded or overwritten")
-        self.model.load_state_dict(ckpt.model)
         if ckpt.resharded:
             log.warning("resuming %s saved with world size %d on world size %d", path,
                         manifest["world_size"], self.info.world_size)
@@ -244,14 +255,36 @@ class Trainer:
         # files, read for the range this rank holds now (checkpoints without a replicated
         # file hold everything in the rank files, which this reads just the same)
         own = ckpt.per_rank
-        self.strategy.load_checkpoint_state(
-            StateParts(replicated=ckpt.replicated.get("optimizer", {}),
-                       per_rank=own.get("optimizer", {})), ckpt.shards)
+        self.model.load_state_dict(ckpt.model)
+        train = self._load_strategy(ckpt.replicated, own, ckpt.shards)
         self.train_loader.load_state_dict(own["data"])
         set_rng_state(own["rng"])
-        self.state = TrainState(**(own["train"] if "train" in own else ckpt.replicated["train"]))
+        self.state = TrainState(**train)
         self.comm.sent_before = self.state.sent_bytes
         log.info("resumed from %s at step %d", path, self.state.step)
+
+    def _load_strategy(self, replicated: dict, per_rank: dict, shards=None) -> dict:
+        """The strategy from a checkpoint's pieces (or, elastic, a live peer's); returns the
+        train counters."""
+        self.strategy.load_checkpoint_state(
+            StateParts(replicated=replicated.get("optimizer", {}),
+                       per_rank=per_rank.get("optimizer", {})), shards)
+        return per_rank["train"] if "train" in per_rank else replicated["train"]
+
+    def _replica_state(self) -> dict:
+        """What a healing worker takes from this one (elastic): the pieces of a checkpoint, by
+        the same interface (``checkpoint_state``), less this worker's data cursor and RNG. A
+        local-step strategy's state holds the parameters (theta0), so no model file is sent."""
+        parts = trainer_parts(self.strategy.checkpoint_state(), data={}, rng={},
+                              train=dataclasses.asdict(self.state),
+                              synchronous=self.strategy.synchronous)
+        return {"replicated": parts.replicated, "per_rank": parts.per_rank}
+
+    def _load_replica_state(self, state: dict) -> None:
+        """Heal from a live peer: its committed point and step (the strategy keeps this worker's
+        own uncommitted drift); this worker keeps its data shard and position, RNG and tokens."""
+        train = self._load_strategy(state["replicated"], state["per_rank"])
+        self.state.step, self.state.nan_skips = int(train["step"]), 0
 
     def save_checkpoint(self) -> Path:
         # Never write a checkpoint that cannot be resumed from: non-finite weights can appear one
@@ -281,6 +314,10 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------
     def train_step(self, timer: StepTimer, stop: StopSignal) -> dict[str, float]:
         cfg, info, strategy = self.cfg, self.info, self.strategy
+        if self.replica is not None and strategy.progress(self.state.step) is not None:
+            # a round starts: its quorum (a worker behind the others heals here, step included)
+            for line in self.replica.begin_round():
+                log.warning("%s", line)
         step = self.state.step + 1
         lr = lr_at(step, kind=cfg.trainer.lr_schedule, peak=cfg.optimizer.lr,
                    min_lr=cfg.optimizer.min_lr, warmup=cfg.trainer.warmup_steps,
@@ -376,8 +413,11 @@ class Trainer:
                         tok_s = self.tokens_per_step * window_steps / elapsed
                         metrics.update({f"time/{k}_s": v / window_steps for k, v in timer.pop().items()})
                         # per-step means over the logging window
-                        metrics.update({k: v / window_steps for k, v in self.comm.pop_stats().items()})
-                        metrics["comm/total_sent_bytes"] = self.comm.total_sent_bytes()
+                        outer = self.comm if self.replica is None else self.replica.comm
+                        metrics.update({k: v / window_steps for k, v in outer.pop_stats().items()})
+                        metrics["comm/total_sent_bytes"] = outer.total_sent_bytes()
+                        if self.replica is not None:
+                            metrics.update(self.replica.metrics())
                         metrics.update(self.train_loader.metrics())
                         metrics.update(memory_metrics(info.device))
                         metrics.update({"tokens_per_s": tok_s, "tokens": self.state.tokens,
@@ -387,6 +427,8 @@ class Trainer:
                         window_start, window_steps = time.perf_counter(), 0
                     if agreed is None:
                         continue
+                    if self.replica is not None:
+                        self.replica.end_round(self.train_loader.state_dict(), step)
                     last = agreed >= t.max_steps
                     if stop_at is not None and agreed >= stop_at and not last:
                         stop.agreed = True  # same path as a preemption: checkpoint, exit
@@ -411,6 +453,10 @@ class Trainer:
             logger.close()
             self.train_loader.close()
             self.strategy.close()
+            if self.replica is not None:
+                summary["elastic"] = self.replica.summary()
+                summary.update(self.replica.metrics())   # the counts, for the W&B summary
+                self.replica.close()
         summary["step"] = self.state.step
         if info.is_main and (self.run_dir / "metrics.jsonl").exists():
             summary["loss_curve"] = str(plot_loss_curve(self.run_dir / "metrics.jsonl",
@@ -447,6 +493,13 @@ def run(cfg: Config) -> dict[str, Any]:
         print(f"metrics: {Path(summary['run_dir']) / 'metrics.jsonl'}")
         if "val_loss" in summary:
             print(f"final validation loss: {summary['val_loss']:.4f} at step {summary['step']}")
+        if "elastic" in summary:
+            e = summary["elastic"]
+            print(f"elastic: replica {e['slot']}, {e['committed_rounds']} committed rounds, "
+                  f"quorum at the end {e['quorum']}; faults survived: {len(e['left'])} left "
+                  f"(round, replica) {e['left']}, {len(e['joined'])} joined {e['joined']}, "
+                  f"{len(e['failed_rounds'])} rounds failed {e['failed_rounds']}; healed from a "
+                  f"peer at rounds {e['healed_at']}")
         _print_sample(trainer, summary)
     return summary
 

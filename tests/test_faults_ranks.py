@@ -3,7 +3,10 @@
 The ranks are real ``python -m scape_train`` processes joined by gloo: either started directly
 with RANK/WORLD_SIZE/MASTER_* (no agent, so nothing but our timeout stops the survivors), or by
 ``torchrun --max-restarts=1``, whose agent restarts the group; the restarted ranks must resume
-from the last checkpoint and end bit for bit where an uninterrupted run ends.
+from the last checkpoint and end bit for bit where an uninterrupted run ends -- dense AdamW, and
+SCAPE, whose per-rank residuals die with the rank and come back from the checkpoint. When the
+restarts run out the job ends with the agent's error and the last checkpoint intact.
+(Elastic DiLoCo / GASLoC, where a lost worker does not stop the others: test_elastic.py.)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from scape_train.checkpoint import CheckpointManager
 from scape_train.train import run
 from tests import _fault_job as fj
 from tests._dist import free_port, run_distributed
@@ -62,9 +66,15 @@ def check_clear_error(proc) -> None:
     assert "Traceback" not in text, text[-3000:]
 
 
+# SCAPE with sparse masks from step 3 on: residuals and masks are per-rank state a death loses.
+SCAPE = ["optimizer=scape", "optimizer.density=0.1", "optimizer.density_warmup_steps=2",
+         "optimizer.use_triton=off"]
+
+
 @pytest.mark.slow
-def test_one_of_four_ranks_killed_survivors_exit_clearly(tmp_path, cache):
-    procs = start_ranks(tmp_path / "run", cache, 4, tmp_path / "logs")
+@pytest.mark.parametrize("optimizer", [[], SCAPE], ids=["adamw", "scape"])
+def test_one_of_four_ranks_killed_survivors_exit_clearly(tmp_path, cache, optimizer):
+    procs = start_ranks(tmp_path / "run", cache, 4, tmp_path / "logs", *optimizer)
     try:
         fj.kill_when(procs[2], fj.metrics_lines(tmp_path / "run", 2), timeout=120)
         survivors = [procs[r] for r in (0, 1, 3)]
@@ -117,34 +127,66 @@ def _reference_2ranks(rank, world, run_dir, cache, extra):
     run(compose_config(fj.overrides(run_dir, cache, *extra)))
 
 
+# A crash is seen at once (the connection closes): the longer timeout only keeps a loaded
+# machine's slow start (the first rank training the tokenizer) from being taken for a hang.
 TORCHRUN_JOB = ["trainer.max_steps=30", "trainer.checkpoint_every=2", "trainer.keep_last=2",
-                f"trainer.dist_timeout_s={TIMEOUT_S}"]
+                f"trainer.dist_timeout_s={3 * TIMEOUT_S}"]
 
 
-@pytest.mark.slow
-def test_torchrun_max_restarts_resumes_from_last_checkpoint(tmp_path, cache):
+def _torchrun_killing_rank1(tmp_path, cache, job: list[str], kill_at_steps: list[int]):
+    """torchrun --max-restarts=1 over two ranks; rank 1 is SIGKILLed once the checkpoint of
+    each step in ``kill_at_steps`` exists (one kill per attempt). Returns (agent, kills)."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--max-restarts=1", "--monitor-interval=0.5", "-m", "scape_train",
-           *fj.overrides(run_dir, cache, *TORCHRUN_JOB, "resume=auto")]
+           *fj.overrides(run_dir, cache, *job, "resume=auto")]
     agent = fj.launch(cmd, tmp_path / "logs" / "torchrun")
-    ckpt4 = run_dir / "checkpoints" / "step_00000004"
-    killed = None
+    pending, killed = list(kill_at_steps), []
     t0 = time.monotonic()
     while agent.poll() is None and time.monotonic() - t0 < 240:
-        if killed is None and ckpt4.exists():
-            killed = _worker_of_rank(agent.pid, 1)
-            if killed:
-                os.kill(killed, signal.SIGKILL)  # a real crash of rank 1 mid-training
+        if pending and (run_dir / "checkpoints" / f"step_{pending[0]:08d}").exists():
+            pid = _worker_of_rank(agent.pid, 1)
+            if pid and pid not in killed:
+                os.kill(pid, signal.SIGKILL)  # a real crash of rank 1 mid-training
+                killed.append(pid)
+                pending.pop(0)
         time.sleep(0.002)
     if agent.poll() is None:
         agent.kill()
     agent.wait()
+    return agent, killed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", [[], SCAPE], ids=["adamw", "scape"])
+def test_torchrun_max_restarts_resumes_from_last_checkpoint(tmp_path, cache, optimizer):
+    job = [*TORCHRUN_JOB, *optimizer]
+    agent, killed = _torchrun_killing_rank1(tmp_path, cache, job, [4])
     text = fj.logs(agent)
     assert killed, text[-3000:]
     assert agent.returncode == 0, text[-4000:]
     assert "(exitcode: -9) local_rank: 1" in text, text[-4000:]  # the agent saw the crash
     assert text.count("INFO scape_train: resumed from") == 2, text[-4000:]  # both ranks, restarted
     ref = tmp_path / "reference"
-    run_distributed(_reference_2ranks, 2, (str(ref), cache, TORCHRUN_JOB))
-    fj.assert_same_params(fj.final_params(ref), fj.final_params(run_dir))
+    run_distributed(_reference_2ranks, 2, (str(ref), cache, job))
+    # SCAPE: bit for bit only if every rank's residuals and the masks came back from the checkpoint
+    fj.assert_same_params(fj.final_params(ref), fj.final_params(tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_running_out_end_clearly_with_the_last_checkpoint_intact(tmp_path, cache):
+    job = [*TORCHRUN_JOB, *SCAPE]
+    agent, killed = _torchrun_killing_rank1(tmp_path, cache, job, [4, 8])
+    text = fj.logs(agent)
+    assert len(killed) == 2, text[-3000:]
+    assert agent.returncode != 0, text[-4000:]                   # the job ends, not hangs
+    assert "ChildFailedError" in text and "exitcode  : -9" in text, text[-4000:]
+    ckpts = CheckpointManager(tmp_path / "run" / "checkpoints", None)
+    last = ckpts.latest_valid()
+    assert last is not None and int(last.name[5:]) >= 8, (last, text[-3000:])
+    # the last checkpoint is whole: a fresh two-rank run resumes from it and ends where an
+    # uninterrupted run ends, bit for bit (SCAPE's residuals and masks included)
+    run_distributed(_reference_2ranks, 2, (str(tmp_path / "run"), cache, [*job, "resume=auto"]))
+    ref = tmp_path / "reference"
+    run_distributed(_reference_2ranks, 2, (str(ref), cache, job))
+    fj.assert_same_params(fj.final_params(ref), fj.final_params(tmp_path / "run"))

@@ -83,6 +83,7 @@ def _outer_worker(rank, world, algo, rounds, eta, gamma, topology, idle):
             with torch.no_grad():
                 send, _, drift = outer._local_points()
                 mixed, _ = outer.mix(send, t)
+                outer._advance()
                 outer.set_params(mixed)
             gathered = [torch.empty_like(send) for _ in range(world)]
             dist.all_gather(gathered, send)

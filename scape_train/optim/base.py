@@ -94,6 +94,21 @@ class OptimizerStrategy(abc.ABC):
         owner-sharded state over any flat range. Default: the merged dict to ``load_state_dict``."""
         self.load_state_dict({**parts.replicated, **parts.per_rank})
 
+    def materialize_lazy_state(self) -> None:
+        """ACCOUNTING ONLY, meta-device strategies only: allocate, as empty meta tensors, the state
+        made lazily in the first step (a torch optimizer's moments; SCAPE overrides it for its
+        masks), so ``checkpoint_state()`` has a mid-run checkpoint's shapes. Computes nothing."""
+        params = [] if self.optimizer is None else [p for g in self.optimizer.param_groups
+                                                    for p in g["params"]]
+        if any(p.device.type != "meta" for p in params):
+            raise ValueError("materialize_lazy_state runs on meta-device strategies only")
+        for p in params:
+            p.grad = torch.empty_like(p)
+        if self.optimizer is not None:
+            self.optimizer.step()       # meta: shapes only
+        for p in params:
+            p.grad = None
+
     def close(self) -> None:
         """Release background work (pending async handles, side streams)."""
 

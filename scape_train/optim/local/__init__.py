@@ -52,9 +52,36 @@ def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: in
     need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
     need(cfg.max_rounds is None or cfg.max_rounds >= 1,
          f"max_rounds must be >= 1 or null, got {cfg.max_rounds}")
+    if cfg.elastic.enabled:
+        validate_elastic(cfg, world_size)
     need(optimizer_cfg.name in INNER_OPTIMIZERS,
          f"the inner optimizer of {cfg.name} must not communicate: optimizer.name must be one of "
          f"{list(INNER_OPTIMIZERS)}, got {optimizer_cfg.name!r}")
+
+
+def validate_elastic(cfg: StrategyConfig, world_size: int) -> None:
+    """The ``strategy.elastic`` block of an enabled elastic run."""
+    el = cfg.elastic
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"strategy.elastic: {msg}")
+
+    need(world_size == 1,
+         f"each elastic worker is one process (one replica group), but this one has world size "
+         f"{world_size}: start every worker as its own `python -m scape_train` with its own "
+         "strategy.elastic.replica, not under torchrun")
+    need(el.slots >= 1 and 0 <= el.replica < el.slots,
+         f"replica={el.replica} must be in [0, slots={el.slots}): slots is the number of data "
+         "shards (the most workers at once), replica this worker's shard and name")
+    need(el.min_replicas >= 1, f"min_replicas must be >= 1, got {el.min_replicas}")
+    need(el.timeout_s > 0 and el.quorum_timeout_s > 0 and el.connect_timeout_s > 0,
+         f"timeouts must be > 0, got timeout_s={el.timeout_s}, quorum_timeout_s="
+         f"{el.quorum_timeout_s}, connect_timeout_s={el.connect_timeout_s}")
+    need(el.quorum_retries >= 0, f"quorum_retries must be >= 0, got {el.quorum_retries}")
+    need(not cfg.inner_steps_per_worker,
+         "inner_steps_per_worker is per rank and elastic ranks change with the quorum: use "
+         "inner_steps, or round_budget_s for workers of different speeds")
 
 
 def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerConfig,
@@ -73,4 +100,5 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
 
 
 __all__ = ["DiLoCo", "GASLoC", "LocalStepStrategy", "STRATEGIES", "StrategyConfig", "TOPOLOGIES",
-           "build_local_strategy", "mixing_matrix", "peers", "permutation", "validate"]
+           "build_local_strategy", "mixing_matrix", "peers", "permutation", "validate",
+           "validate_elastic"]

@@ -7,6 +7,24 @@ from typing import List, Optional
 
 
 @dataclass
+class ElasticConfig:
+    """DiLoCo / GASLoC across torchft replica groups (``pip install .[elastic]``); off by default.
+
+    Each worker is one process and one replica group with its own torchft ``Manager``; a
+    lighthouse (``python -m scape_train.elastic lighthouse``) decides which workers take part in
+    each round. See docs/gasloc.md (the commit rule) and docs/reliability.md (the faults)."""
+    enabled: bool = False             # each worker a torchft replica group (pip install .[elastic])
+    lighthouse: str = ""              # http://HOST:PORT of the lighthouse ("" = $TORCHFT_LIGHTHOUSE)
+    replica: int = -1                 # this worker's slot in [0, slots): its name and data shard
+    slots: int = 0                    # data shards (the most workers a run may have at once)
+    min_replicas: int = 1             # a round commits only with at least this many workers
+    timeout_s: float = 30.0           # a collective or the commit vote; a frozen peer is cut here
+    quorum_timeout_s: float = 300.0   # waiting for the lighthouse's quorum at a round's start
+    connect_timeout_s: float = 10.0   # connecting to the lighthouse and the managers
+    quorum_retries: int = 30          # quorum attempts while the lighthouse is away (restarts)
+
+
+@dataclass
 class StrategyConfig:
     # data_parallel: the optimizer group's own communication every step (DDP, SCAPE, ...)
     # diloco | gasloc: local inner steps with the optimizer group's optimizer, then an exchange
@@ -20,5 +38,6 @@ class StrategyConfig:
     outer_state_on_cpu: bool = False  # keep the outer optimizer's state in host memory
     mix_momentum: bool = True         # ablation: False mixes y and adds the momentum term after
     seed: int = 0                     # the mixing graph's RNG seed (with the round number)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     max_rounds: Optional[int] = None  # informational: the run ends at trainer.max_steps, i.e.
                                       # after max_steps // inner_steps rounds; validated >= 1

@@ -20,4 +20,5 @@ from .outer import OuterAlgorithm
 
 class DiLoCo(OuterAlgorithm):
     def round(self, t: int) -> dict[str, float]:
-        return {"outer/drift_norm": self.all_reduce_round(kind="outer")}
+        drift, committed = self.all_reduce_round(kind="outer")
+        return {"outer/drift_norm": drift, "outer/committed": float(committed)}

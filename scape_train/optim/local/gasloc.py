@@ -38,7 +38,8 @@ class GASLoC(OuterAlgorithm):
         self.topology, self.seed, self.mix_momentum = topology, seed, mix_momentum
 
     def _local_points(self) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-        """(what is sent: x, or y for the ablation; the ablation's momentum term; drift norm)."""
+        """(what is sent: x, or y for the ablation; the ablation's momentum term; drift norm).
+        ``y_prev`` is left as it is: :meth:`_advance` moves it once the round commits."""
         st, dev = self.state, self.params[0].device
         send = self.flat_like()
         momentum = None if self.mix_momentum else self.flat_like()
@@ -56,9 +57,16 @@ class GASLoC(OuterAlgorithm):
             else:
                 send[sl].view_as(p).copy_(y)
                 torch.mul(y - yp, self.gamma, out=momentum[sl].view_as(p))
-            y_prev.copy_(y)
             offset += p.numel()
         return send, momentum, float(drift_sq) ** 0.5
+
+    def _advance(self) -> None:
+        """``y_prev <- y`` of this round, recomputed from theta0 and theta (both unchanged since
+        :meth:`_local_points`, by the same ops: the same bits)."""
+        st, dev = self.state, self.params[0].device
+        for p, anchor, y_prev in zip(self.params, st.anchor, st.y_prev):
+            a = st.on(anchor, dev)
+            y_prev.copy_(outer_point(a, a - p, self.eta))
 
     def mix(self, send: torch.Tensor, t: int) -> tuple[torch.Tensor, int]:
         """``sum_j W_t[i, j] send_j`` over this worker's peers; returns (mixed, number of peers)."""
@@ -79,12 +87,17 @@ class GASLoC(OuterAlgorithm):
 
     def round(self, t: int) -> dict[str, float]:
         if self.topology == "complete" and self.mix_momentum:   # DiLoCo, bit for bit
-            drift = self.all_reduce_round(kind="gossip")
-            return {"outer/drift_norm": drift, "outer/peers": float(self.comm.world - 1)}
+            drift, committed = self.all_reduce_round(kind="gossip")
+            return {"outer/drift_norm": drift, "outer/peers": float(self.comm.world - 1),
+                    "outer/committed": float(committed)}
         with torch.no_grad():
             send, momentum, drift = self._local_points()
             mixed, n_peers = self.mix(send, t)
-            if momentum is not None:
-                mixed.add_(momentum)
-            self.set_params(mixed)
-        return {"outer/drift_norm": drift, "outer/peers": float(n_peers)}
+            committed = self.comm.commit()   # a round nobody applies leaves y_prev and theta alone
+            if committed:
+                self._advance()
+                if momentum is not None:
+                    mixed.add_(momentum)
+                self.set_params(mixed)
+        return {"outer/drift_norm": drift, "outer/peers": float(n_peers),
+                "outer/committed": float(committed)}

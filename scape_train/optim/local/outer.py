@@ -110,10 +110,13 @@ class OuterAlgorithm(abc.ABC):
                 anchor.copy_(view)   # blocking: a host copy is read (snapshots) at once
                 offset += p.numel()
 
-    def all_reduce_round(self, kind: str) -> float:
+    def all_reduce_round(self, kind: str) -> tuple[float, bool]:
         """DiLoCo's round: ``delta = all_reduce_avg(theta0 - theta)`` (``Comm`` kind ``kind``), then
         ``y = theta0 - eta * delta``, ``theta = y + gamma * (y - y_prev)``, ``y_prev <- y``, the same
-        on every worker. Returns this worker's drift norm ``||theta0 - theta||`` before the average.
+        on every worker. Returns this worker's drift norm ``||theta0 - theta||`` before the average
+        and whether the round committed (``Comm.commit``): a round that does not is applied by
+        nobody, so theta, theta0 and y_prev stay as they were and this worker's drift since the
+        last committed round joins the next one.
         """
         st, dev = self.state, self.params[0].device
         delta = self.flat_like()
@@ -124,6 +127,8 @@ class OuterAlgorithm(abc.ABC):
                 offset += p.numel()
             drift = float(torch.linalg.vector_norm(delta))
             self.comm.all_reduce(delta, kind=kind, average=True)
+            if not self.comm.commit():
+                return drift, False
             out = delta  # overwritten piecewise with the new parameters below
             offset = 0
             for p, anchor, y_prev in zip(self.params, st.anchor, st.y_prev):
@@ -134,4 +139,4 @@ class OuterAlgorithm(abc.ABC):
                 out[offset:offset + p.numel()].view_as(p).copy_(x)
                 offset += p.numel()
             self.set_params(out)
-        return drift
+        return drift, True

@@ -10,7 +10,10 @@ Each ``step(lr)`` is one inner step of a local, non-communicating optimizer (Ada
   bandwidth straggler, or a peer of one) or whose steps are slow takes fewer inner steps and
   arrives at the next exchange with the others. At least one inner step per round.
 
-Then the outer algorithm (``diloco.py`` all-reduce, or ``gasloc.py`` gossip) runs. The trainer makes
+Then the outer algorithm (``diloco.py`` all-reduce, or ``gasloc.py`` gossip) runs. A round that
+does not commit (elastic runs: a participant was lost, ``Comm.commit``) is applied by nobody: this
+worker keeps theta and its inner state, and its drift since the last committed round joins the
+next one (``uncommitted_steps`` counts its inner steps). The trainer makes
 no per-step collective (``synchronous = False``); ``progress`` tells it where rounds end: every
 worker ends round r at its own local step, and there ``progress`` returns the nominal step
 ``r * H`` on all of them (``None`` in between), which is where the trainer validates, checkpoints
@@ -65,8 +68,12 @@ class LocalStepStrategy(OptimizerStrategy):
         self.h_local = per_worker[comm.rank] if per_worker else cfg.inner_steps
         self.nominal_h = max(cfg.inner_steps, 1)   # the step count a round stands for
         self.budget_s = float(cfg.round_budget_s)
-        self.rounds_done = 0
+        # whose state this is: the elastic replica slot, else the rank. Another worker's state
+        # (a replica healing from a live peer) is taken at its last committed round.
+        self.owner = cfg.elastic.replica if cfg.elastic.enabled else comm.rank
+        self.rounds_done = 0            # committed rounds
         self.steps_in_round = 0
+        self.uncommitted_steps = 0      # inner steps whose drift no committed round holds yet
         self.local_step = 0          # the trainer's step count on this worker
         self.sync_step = 0           # local_step at the end of the last round
         self._step_hint: int | None = None
@@ -100,6 +107,7 @@ class LocalStepStrategy(OptimizerStrategy):
                                                       self.opt_cfg.foreach)
             self.optimizer.step()
             self.steps_in_round += 1
+            self.uncommitted_steps += 1
         if self._round_over():
             self._last_round = self._end_round()
         # The last finished round's figures on every step: the trainer logs every log_every
@@ -121,7 +129,9 @@ class LocalStepStrategy(OptimizerStrategy):
         start = time.perf_counter()
         metrics = self.outer.round(self.rounds_done)
         metrics["outer/inner_steps"] = float(self.steps_in_round)
-        self.rounds_done += 1
+        if metrics.get("outer/committed", 1.0) > 0:
+            self.rounds_done += 1
+            self.uncommitted_steps = 0
         metrics["outer/round"] = float(self.rounds_done)
         self.steps_in_round = 0
         self.sync_step = self.local_step
@@ -135,10 +145,12 @@ class LocalStepStrategy(OptimizerStrategy):
             "outer": self.outer.state.state_dict(),
             "rounds_done": self.rounds_done, "steps_in_round": self.steps_in_round,
             "local_step": self.local_step, "sync_step": self.sync_step,
+            "uncommitted_steps": self.uncommitted_steps, "owner": self.owner,
         }
-        # At a round end theta == theta0 (saved as the anchor); mid-round this worker's own theta
-        # is needed too (the checkpoint's model file holds rank 0's replica only).
-        if self.steps_in_round > 0:
+        # After a committed round theta == theta0 (saved as the anchor); mid-round, or after a
+        # round that did not commit, this worker's own theta is needed too (the checkpoint's
+        # model file holds rank 0's replica only).
+        if self.uncommitted_steps > 0:
             state["params"] = {n: snapshot(p) for n, p in zip(self.param_names, self.params)}
         return state
 
@@ -152,20 +164,43 @@ class LocalStepStrategy(OptimizerStrategy):
                       "y_prev": dict(zip(st.names, st.y_prev))},
             "rounds_done": self.rounds_done, "steps_in_round": self.steps_in_round,
             "local_step": self.local_step, "sync_step": self.sync_step,
+            "uncommitted_steps": self.uncommitted_steps, "owner": self.owner,
         }
-        if self.steps_in_round > 0:
+        if self.uncommitted_steps > 0:
             state["params"] = {n: p.detach() for n, p in zip(self.param_names, self.params)}
         return StateParts(per_rank=state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_named_state_dict(self.optimizer, state["optimizer"], self._names)
+        """This worker's state, or another worker's (``owner`` differs: a worker healing from a
+        live peer). From another worker it takes the committed point (theta0, y_prev, the
+        round counters) and keeps its own drift since its last committed round, which joins the
+        next round (zero for a restarted process), with its own inner optimizer state where it
+        has one."""
+        foreign = state.get("owner", self.owner) != self.owner
+        own_drift = None
+        if foreign and self.uncommitted_steps > 0:
+            with torch.no_grad():
+                own_drift = [p - self.outer.state.on(a, p.device)
+                             for p, a in zip(self.params, self.outer.state.anchor)]
+        if not (foreign and own_drift is not None):
+            load_named_state_dict(self.optimizer, state["optimizer"], self._names)
         self.outer.state.load_state_dict(state["outer"])
         self.rounds_done = int(state["rounds_done"])
         self.steps_in_round = int(state["steps_in_round"])
         self.local_step = int(state["local_step"])
         self.sync_step = int(state["sync_step"])
-        source = state.get("params") or dict(zip(self.param_names, self.outer.state.anchor))
+        source = state.get("params")
+        if foreign:
+            source, self.steps_in_round = None, 0
+            self.local_step = self.sync_step
+            if own_drift is None:
+                self.uncommitted_steps = 0
+        else:
+            self.uncommitted_steps = int(state.get("uncommitted_steps", state["steps_in_round"]))
+        source = source or dict(zip(self.param_names, self.outer.state.anchor))
         with torch.no_grad():
-            for n, p in zip(self.param_names, self.params):
+            for i, (n, p) in enumerate(zip(self.param_names, self.params)):
                 p.copy_(source[n])   # this worker's own replica (GASLoC replicas differ)
+                if own_drift is not None:
+                    p.add_(own_drift[i])
         self._clock = self._last_mark = None

@@ -179,6 +179,14 @@ class ScapeStrategy(OptimizerStrategy):
         self.mask_cur = cur
         self._pending = None if nxt is None else PendingMask.ready(nxt, self.exchange)
 
+    def materialize_lazy_state(self) -> None:
+        """ACCOUNTING ONLY (meta device): the current and next masks as empty meta tensors; the
+        rest of SCAPE's state is allocated at construction."""
+        if self.layout.device.type != "meta":
+            raise ValueError("materialize_lazy_state runs on meta-device strategies only")
+        self.set_masks(torch.empty(self.layout.total, dtype=torch.bool, device="meta"),
+                       torch.empty(self.layout.total, dtype=torch.bool, device="meta"))
+
     def _next(self) -> Mask | None:
         """M_{t+1}, gathered and decoded (waits for the all-gather if it is still in flight)."""
         return None if self._pending is None else self._pending.mask()

@@ -1,0 +1,230 @@
+"""Elastic DiLoCo / GASLoC on torchft: workers killed, frozen, restarted and added while the job
+runs, and the lighthouse restarted. Real processes (a lighthouse and one ``python -m scape_train``
+per worker, each its own replica group), gloo on the CPU, real signals.
+
+For every fault: the job never stops (the survivors end normally), the committed rounds are the
+same on every replica (DiLoCo: the final parameters are equal bit for bit), the tokens are
+counted (a survivor commits every batch it read, exactly once; a restarted worker resumes its
+shard where it last committed, so only a dead worker's unfinished round is ever read twice, by
+itself, and none is skipped), and the final validation loss is within ``LOSS_TOL`` of the
+fault-free run of the same number of rounds.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from scape_train.config import ConfigError, validate
+from tests import _fault_job as fj
+from tests._elastic_job import H, ElasticJob
+from tests.helpers import compose_config
+
+pytest.importorskip("torchft")
+
+ROUNDS = 12              # short rows: 12 rounds of H = 5 steps
+LOSS_TOL = 0.15          # nats: a fault may cost a few rounds of a worker's data
+SLOW = ("trainer.micro_batch_size=16",)   # long rows: rounds slow enough for a restart to join
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return fj.tok_cache(tmp_path_factory)
+
+
+@pytest.fixture
+def job_factory(tmp_path, cache):
+    jobs = []
+
+    def make(*extra: str, strategy: str = "diloco", env: dict | None = None) -> ElasticJob:
+        """A lighthouse and workers 0, 1, 2 (``env``: a slot's extra environment)."""
+        job = ElasticJob(tmp_path / "job", cache, *extra, strategy=strategy)
+        jobs.append(job)
+        job.launch(3, env)
+        return job
+
+    yield make
+    for job in jobs:
+        job.close()
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory, cache):
+    """Three workers, no fault: the reference loss for the short rows."""
+    job = ElasticJob(tmp_path_factory.mktemp("fault_free"), cache, f"trainer.max_steps={ROUNDS * H}")
+    try:
+        job.launch(3)
+        job.wait_done(range(3))
+        return job
+    finally:
+        job.close()
+
+
+# -- the checks every row makes -------------------------------------------------------------------
+
+def same_params(job: ElasticJob, slots) -> None:
+    ref = job.final_params(slots[0])
+    for s in slots[1:]:
+        fj.assert_same_params(ref, job.final_params(s))
+
+
+def check_tokens(job: ElasticJob, slot: int) -> int:
+    """Every batch this worker read in its last life was committed exactly once (the batch
+    counter only grows, and the last round committed with it); a restart resumed at the batch
+    count its previous life last committed. Returns the batches it committed."""
+    rows = job.rows(slot)
+    lives = list(dict.fromkeys(r["pid"] for r in rows))
+    committed_before = 0
+    for pid in lives:
+        life = [r for r in rows if r["pid"] == pid]
+        resumed = [r["resumed_batches"] for r in life if "resumed_batches" in r]
+        if committed_before:
+            assert resumed == [committed_before], (slot, resumed, committed_before)
+        rounds = [r for r in life if "committed" in r]
+        counts = [r["batches"] for r in rounds]
+        assert counts == sorted(counts) and len(set(counts)) == len(counts), counts
+        done = [r["batches"] for r in rounds if r["committed"]]
+        committed_before = done[-1] if done else committed_before
+    last = [r for r in rows if "committed" in r][-1]
+    assert last["committed"] and last["batches"] == committed_before, last
+    return committed_before
+
+
+def close_loss(job: ElasticJob, slot: int, reference: float) -> None:
+    loss = job.val_loss(slot)
+    assert abs(loss - reference) < LOSS_TOL, (loss, reference)
+
+
+def rounds_to_rejoin(job: ElasticJob, slot: int, survivor: int) -> int:
+    """Rounds the survivor committed between the rejoining worker's first quorum request and
+    the first round it committed."""
+    rows = job.rows(slot)
+    asked = [r["time"] for r in rows if "first_quorum_request" in r][-1]
+    first = min(r["time"] for r in rows if r.get("committed") and r["time"] > asked)
+    return sum(1 for r in job.rounds(survivor) if r["committed"] and asked < r["time"] < first)
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+def test_elastic_config_is_checked_early():
+    base = ["strategy=diloco", "strategy.elastic.enabled=true", "strategy.elastic.lighthouse=x"]
+    with pytest.raises(ConfigError, match=r"replica=5 must be in \[0, slots=4\)"):
+        validate(compose_config([*base, "strategy.elastic.slots=4", "strategy.elastic.replica=5"]))
+    with pytest.raises(ConfigError, match="one process"):
+        validate(compose_config([*base, "strategy.elastic.slots=2", "strategy.elastic.replica=0"]),
+                 world_size=2)
+    with pytest.raises(ConfigError, match="needs a local-step strategy"):
+        validate(compose_config(["strategy.elastic.enabled=true"]))
+    validate(compose_config([*base, "strategy.elastic.slots=2", "strategy.elastic.replica=1"]))
+
+
+# -- short rows -----------------------------------------------------------------------------------
+
+def test_fault_free_workers_hold_the_same_parameters(fault_free):
+    same_params(fault_free, [0, 1, 2])
+    for s in range(3):
+        assert check_tokens(fault_free, s) == ROUNDS * H
+        assert not [r for r in fault_free.rounds(s) if not r["committed"]]
+
+
+def test_worker_killed_at_an_inner_step(job_factory, fault_free):
+    job = job_factory(f"trainer.max_steps={ROUNDS * H}")
+    job.wait_until(fj.metrics_lines(job.run_dir(2), 3 * H + 2), "worker 2 mid-round 4")
+    job.signal(2, signal.SIGKILL)
+    job.wait_done([0, 1])
+    same_params(job, [0, 1])
+    for s in (0, 1):
+        check_tokens(job, s)   # every batch read was committed (a failed round: H more)
+        assert job.rounds(s)[-1]["quorum"] == [0, 1]
+        close_loss(job, s, fault_free.val_loss(0))
+
+
+# -- long rows ------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_worker_killed_at_the_outer_round(job_factory, fault_free):
+    job = job_factory(f"trainer.max_steps={ROUNDS * H}", env={2: {"SCAPE_FAULT_KILL_AT_VOTE": "4"}})
+    job.wait_done([0, 1])
+    assert job.workers[2].returncode == -signal.SIGKILL
+    same_params(job, [0, 1])
+    for s in (0, 1):
+        check_tokens(job, s)
+        close_loss(job, s, fault_free.val_loss(0))
+    # worker 2 read round 5's batches (4 committed rounds, then its own unfinished one)
+    assert [r["batches"] for r in job.rounds(2) if r["committed"]][-1] == 4 * H
+
+
+@pytest.mark.slow
+def test_worker_frozen_past_the_timeout_then_heals(job_factory):
+    job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
+    job.wait_rows(2, 3)
+    job.signal(2, signal.SIGSTOP)
+    frozen = len(job.rounds(0))
+    job.wait_until(lambda: len([r for r in job.rounds(0) if r["quorum"] == [0, 1]
+                                and r["committed"]]) >= 3, "3 rounds without the frozen worker")
+    job.signal(2, signal.SIGCONT)
+    job.wait_done([0, 1, 2], limit_s=300)
+    same_params(job, [0, 1, 2])
+    assert any(not r["committed"] for r in job.rounds(0)[frozen - 1:]), "no round failed"
+    healed = [r for r in job.rounds(2) if r["healed"]]
+    assert len(healed) >= 2, "the frozen worker did not heal after it woke"   # start, wake
+    for s in (0, 1):
+        check_tokens(job, s)
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_resumes_its_shard_and_heals(job_factory):
+    job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
+    job.wait_until(fj.metrics_lines(job.run_dir(2), 3 * H + 2), "worker 2 mid-round 4")
+    job.signal(2, signal.SIGKILL)
+    job.workers[2].wait()
+    job.start(2)
+    job.wait_done([0, 1, 2], limit_s=300)
+    same_params(job, [0, 1, 2])
+    for s in range(3):
+        check_tokens(job, s)   # worker 2: resumed at its last committed batch
+    assert rounds_to_rejoin(job, 2, survivor=0) <= 2
+    assert any(not r["committed"] for s in (0, 1) for r in job.rounds(s)), "no round failed"
+
+
+@pytest.mark.slow
+def test_fourth_worker_joins_mid_run(job_factory):
+    job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
+    job.wait_rows(0, 3)
+    job.start(3)
+    job.wait_done([0, 1, 2, 3], limit_s=300)
+    same_params(job, [0, 1, 2, 3])
+    assert job.rounds(0)[-1]["quorum"] == [0, 1, 2, 3]
+    assert rounds_to_rejoin(job, 3, survivor=0) <= 2
+    for s in range(4):
+        check_tokens(job, s)
+    assert job.rounds(3)[0]["batches"] == H    # a new slot starts its shard at the beginning
+
+
+@pytest.mark.slow
+def test_lighthouse_killed_and_restarted(job_factory):
+    job = job_factory(f"trainer.max_steps={40 * H}", *SLOW)
+    job.wait_rows(0, 3)
+    job.lighthouse.kill()
+    job.lighthouse.wait()
+    time.sleep(2.0)
+    job.start_lighthouse()
+    job.wait_done([0, 1, 2], limit_s=300)
+    same_params(job, [0, 1, 2])
+    for s in range(3):
+        # a worker the new lighthouse left out of a few rounds read fewer batches, not lost any
+        check_tokens(job, s)
+
+
+@pytest.mark.slow
+def test_gasloc_2peer_worker_killed_peers_drawn_among_the_live(job_factory):
+    job = job_factory(f"trainer.max_steps={ROUNDS * H}", "strategy.topology=2peer",
+                      strategy="gasloc")
+    job.wait_until(fj.metrics_lines(job.run_dir(2), 3 * H + 2), "worker 2 mid-round 4")
+    job.signal(2, signal.SIGKILL)
+    job.wait_done([0, 1])
+    for s in (0, 1):
+        check_tokens(job, s)
+        assert job.rounds(s)[-1]["quorum"] == [0, 1]

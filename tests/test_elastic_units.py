@@ -1,0 +1,103 @@
+"""The elastic rules in one process, without torchft: a round nobody commits changes nothing and
+its drift joins the next one; a worker healing from a live peer takes the peer's committed point
+and keeps its own drift; the default job does not import torchft."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+from scape_train.comm import Comm
+from scape_train.optim.config import OptimizerConfig
+from scape_train.optim.local import build_local_strategy
+from scape_train.optim.local.config import ElasticConfig, StrategyConfig
+
+
+class VotingComm(Comm):
+    """One process; ``commit`` answers from a script of votes (a lost peer's round: False)."""
+
+    def __init__(self, votes: list[bool]):
+        super().__init__()
+        self.votes = list(votes)
+
+    def commit(self) -> bool:
+        return self.votes.pop(0)
+
+
+def make(votes, slot: int, h: int = 2):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    cfg = StrategyConfig(name="diloco", inner_steps=h,
+                         elastic=ElasticConfig(enabled=True, replica=slot, slots=4))
+    return model, build_local_strategy(cfg, OptimizerConfig(name="adamw", lr=1e-2), model,
+                                       VotingComm(votes))
+
+
+def inner_step(model, strategy, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 4, generator=g)
+    model(x).pow(2).mean().backward()
+    strategy.step(1e-2)
+    strategy.zero_grad()
+
+
+def flat(ps) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in ps])
+
+
+def test_a_round_that_does_not_commit_is_applied_by_nobody_and_its_drift_carries_over():
+    model, strat = make([False, True], slot=0)
+    anchor0 = flat(strat.outer.state.anchor).clone()
+    y_prev0 = flat(strat.outer.state.y_prev).clone()
+    for s in range(2):
+        inner_step(model, strat, s)
+    theta = flat(strat.params).clone()
+    assert strat.rounds_done == 0 and strat.uncommitted_steps == 2     # round 1 failed
+    assert torch.equal(flat(strat.outer.state.anchor), anchor0)
+    assert torch.equal(flat(strat.outer.state.y_prev), y_prev0)
+    assert not torch.equal(theta, anchor0)                             # the worker kept theta
+    assert "params" in strat.checkpoint_state().per_rank               # and checkpoints it
+    for s in range(2, 4):
+        inner_step(model, strat, s)
+    assert strat.rounds_done == 1 and strat.uncommitted_steps == 0
+    # the committed round's outer gradient is the drift of all four inner steps (world of one:
+    # theta = y + mu (y - y_prev) with y = theta0 - eta * (theta0 - theta_4))
+    assert torch.equal(flat(strat.params), flat(strat.outer.state.anchor))
+
+
+def test_healing_takes_the_peers_committed_point_and_keeps_the_own_drift():
+    peer_model, peer = make([True, True], slot=1)
+    for s in range(4):                       # two committed rounds
+        inner_step(peer_model, peer, 100 + s)
+    state = peer.checkpoint_state().per_rank
+
+    model, strat = make([False], slot=0)     # a survivor whose round failed
+    for s in range(2):
+        inner_step(model, strat, s)
+    drift = flat(strat.params) - flat(strat.outer.state.anchor)
+    inner = {k: v.clone() for k, v in strat.optimizer.state[strat.params[0]].items()}
+    strat.load_checkpoint_state(type(peer.checkpoint_state())(per_rank=state))
+    assert strat.rounds_done == peer.rounds_done == 2
+    assert torch.equal(flat(strat.outer.state.anchor), flat(peer.outer.state.anchor))
+    assert torch.equal(flat(strat.outer.state.y_prev), flat(peer.outer.state.y_prev))
+    torch.testing.assert_close(flat(strat.params), flat(peer.outer.state.anchor) + drift)
+    assert strat.uncommitted_steps == 2
+    for k, v in inner.items():               # its own inner state, the one its drift came from
+        assert torch.equal(strat.optimizer.state[strat.params[0]][k], v)
+
+    _, fresh = make([], slot=2)              # a restarted process: no drift, the peer's all
+    fresh.load_checkpoint_state(type(peer.checkpoint_state())(per_rank=state))
+    assert torch.equal(flat(fresh.params), flat(peer.outer.state.anchor))
+    assert fresh.uncommitted_steps == 0
+    assert torch.equal(fresh.optimizer.state[fresh.params[0]]["exp_avg"],
+                       peer.optimizer.state[peer.params[0]]["exp_avg"])
+
+
+def test_the_default_job_does_not_import_torchft():
+    code = ("import sys, scape_train.train, scape_train.optim.local, scape_train.comm; "
+            "print('torchft' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
