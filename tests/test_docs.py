@@ -205,6 +205,9 @@ def test_every_readme_command_composes():
                 OmegaConf.to_object(_compose("eval_app", overrides))
             elif module == "scape_train.generate":
                 parse_args(args)
+            elif module == "scape_train.elastic":
+                from scape_train.elastic.__main__ import build_parser
+                build_parser().parse_args(args)
             else:   # scape_train.export: <checkpoint> <out dir>, argparse
                 import importlib.util
                 assert importlib.util.find_spec(module) and len(args) == 2, args

@@ -7,13 +7,16 @@ import argparse
 from scape_train.elastic import lighthouse
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m scape_train.elastic",
                                      description="Services of elastic DiLoCo / GASLoC runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     lighthouse.add_arguments(sub.add_parser("lighthouse", help="run the torchft lighthouse"))
-    args = parser.parse_args(argv)
-    lighthouse.serve(args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    lighthouse.serve(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
