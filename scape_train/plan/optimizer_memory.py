@@ -29,6 +29,7 @@ from torch import nn
 
 from scape_train.config import Config
 from scape_train.optim.density import DensitySchedule, segment_k
+from scape_train.optim.dense import adams_impl
 from scape_train.plan.simulate import Replay
 
 F32 = 4          # bytes of an fp32 element
@@ -76,19 +77,33 @@ def _adam_state(name: str, n: int) -> list[tuple[str, int]]:
     return [("AdamW exp_avg + exp_avg_sq (fp32)", 2 * F32 * n)]
 
 
-def _adam_step(r: Replay, name: str, p: _Params, foreach: bool, bias_correction: str) -> None:
-    """The temporaries of one AdamW / AdamS step (clip_grad_norm_'s are per-tensor scalars)."""
-    if name == "adams":   # adams_update_: v = m^2*beta2 + (1-beta2) g^2 ("official": m / bc1 first)
-        per = (2 if bias_correction == "official" else 1) * F32 * p.largest
-        r.spike(per, "AdamS v of the largest tensor")
-    elif foreach:         # torch's _multi_tensor_adam: sqrt(exp_avg_sq) for a whole param group
-        decay = sum(n for n, d in zip(p.numels, p.ndims) if d >= 2)
-        r.spike(F32 * max(decay, p.total - decay), "AdamW foreach sqrt(v) of a param group")
-    else:                 # _single_tensor_adam: sqrt(v), its quotient and the addcdiv term
+def _adam_step(r: Replay, name: str, p: _Params, o, on_gpu: bool, scaled_grads: bool) -> None:
+    """The temporaries of one AdamW / AdamS step, for the implementation the device runs
+    (``optim.dense.build_local_optimizer``); clip_grad_norm_'s are per-tensor scalars.
+    ``scaled_grads``: the clipping coefficient is applied as AdamS reads g (dense AdamS)."""
+    decay = sum(n for n, d in zip(p.numels, p.ndims) if d >= 2)
+    group = max(decay, p.total - decay)      # the larger of the two param groups (decay or not)
+    if name == "adams":
+        impl = adams_impl(o)
+        if impl == "auto":
+            impl = "triton" if on_gpu else "foreach"
+        if impl == "triton":      # one kernel reads theta, g, m and writes theta, m: no temporaries
+            return
+        # v = m^2*beta2 + (1-beta2) g^2; "official" divides m by bc1 first; g*coef where clipped
+        copies = 1 + (o.bias_correction == "official") + scaled_grads
+        if impl == "foreach":     # each _foreach op makes its result for the whole group at once
+            r.spike(copies * F32 * group, "AdamS foreach temporaries of a param group")
+        else:
+            r.spike(copies * F32 * p.largest, "AdamS v of the largest tensor")
+    elif on_gpu and o.foreach:    # torch's fused AdamW: one kernel, no temporaries
+        return
+    elif o.foreach:               # torch's _multi_tensor_adam: sqrt(exp_avg_sq) for a whole param group
+        r.spike(F32 * group, "AdamW foreach sqrt(v) of a param group")
+    else:                         # _single_tensor_adam: sqrt(v), its quotient and the addcdiv term
         r.spike(3 * F32 * p.largest, "AdamW sqrt(v) of the largest tensor")
 
 
-def _dense(cfg: Config, p: _Params, world: int) -> OptimizerMemory:
+def _dense(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory:
     o = cfg.optimizer
     inner = "adams" if o.name == "adams" else "adamw"
     mem = OptimizerMemory(state=_adam_state(inner, p.total))
@@ -100,7 +115,7 @@ def _dense(cfg: Config, p: _Params, world: int) -> OptimizerMemory:
         if o.name == "powersgd":
             mem.state.append(("PowerSGD error feedback (fp32)", F32 * p.total))
     r = Replay()
-    _adam_step(r, inner, p, o.foreach, o.bias_correction)
+    _adam_step(r, inner, p, o, on_gpu, scaled_grads=o.clip_grad > 0)
     mem.step, mem.step_where = r.peak, r.where
     return mem
 
@@ -281,7 +296,7 @@ def _topk(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory:
     r.alloc(F32 * n, "dense averaged gradient")
     r.spike(I64 * k, "index_add indices")
     r.alloc(F32 * n, "new gradients (the step's list still references the old ones)")
-    _adam_step(r, "adamw", p, o.foreach, o.bias_correction)
+    _adam_step(r, "adamw", p, o, on_gpu, scaled_grads=False)
     mem.step, mem.step_where = r.peak, r.where
     if not on_gpu:                       # the residual's .cpu().clone() where the device is the host
         mem.checkpoint, mem.checkpoint_where = F32 * n, "residual copy for the checkpoint"
@@ -308,7 +323,7 @@ def _local(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory
     on_host = s.outer_state_on_cpu and on_gpu
     (mem.host if on_host else mem.state).append(outer)
     r = Replay()
-    _adam_step(r, inner, p, o.foreach, o.bias_correction)
+    _adam_step(r, inner, p, o, on_gpu, scaled_grads=False)
     fetch = 2 * F32 * big if on_host else 0          # theta0 and y_prev copied to the device
     if s.name == "diloco":
         r.alloc(F32 * n, "flat outer gradient delta")
@@ -322,6 +337,8 @@ def _local(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory
         r.spike(4 * F32 * big + fetch, "local extrapolation of the largest tensor")
         r.alloc(gossip_peers(s.topology, world) * F32 * n, "gossip receive buffers (one per peer)")
         r.alloc(F32 * n, "mixed parameters")
+        # once the round commits: y_prev <- y, recomputed tensor by tensor (theta0 - theta, y)
+        r.spike(2 * F32 * big + fetch, "y_prev of the largest tensor (a committed round)")
     mem.step, mem.step_where = r.peak, r.where
     if not on_gpu:   # snapshot() copies the state where the device is the host (at a round end,
         # where the trainer checkpoints, theta equals theta0 and is not copied)
@@ -340,4 +357,4 @@ def optimizer_memory(cfg: Config, model: nn.Module, world: int, on_gpu: bool) ->
         return _scape(cfg, model, world, on_gpu)
     if name == "topk_adamw":
         return _topk(cfg, p, world, on_gpu)
-    return _dense(cfg, p, world)
+    return _dense(cfg, p, world, on_gpu)
