@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from scape_train.comm import Comm
+from ..adams_constants import AdamSConstants
 from ..config import OptimizerConfig
 from . import passes
 from .masks import Mask
@@ -166,9 +167,10 @@ class _FusedEngine:
                                     0 if src is None or a == b else src(a))
                 for (t, a, b), (s0, s1) in zip(plan.segs, plan.spans) if a >= lo and b <= hi]
 
-    def _adams_step(self, lr: float, step: int) -> passes.AdamSStep:
+    def _adams_step(self, lr: float, step: int) -> AdamSConstants:
+        """The step's constants (the weight decay is the segments', :meth:`_segments`)."""
         cfg = self.cfg
-        return passes.AdamSStep(lr, *cfg.betas, cfg.eps, cfg.bias_correction, step)
+        return AdamSConstants(step, lr, *cfg.betas, cfg.eps, 0.0, cfg.bias_correction)
 
 
 class FusedReplicatedScape(_FusedEngine):

@@ -16,7 +16,8 @@ import torch
 
 from ...host_to_device import upload
 from . import kernels, torch_codecs
-from .passes import AdamSStep, Clip, ParamSegment, clip_coef
+from ..adams_constants import AdamSConstants
+from .passes import Clip, ParamSegment, clip_coef
 
 
 def _sq(x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +149,7 @@ class TorchPasses:
 
     def adams(self, idx: torch.Tensor, j0: int, base: int, ghat: torch.Tensor,
               m_old: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
-              segs: list[ParamSegment], hp: AdamSStep, clip: Clip | None,
+              segs: list[ParamSegment], hp: AdamSConstants, clip: Clip | None,
               out: torch.Tensor | None = None) -> None:
         """§2 lines 5-7 at the mask entries ``idx[j0:j0 + k]``, ``adams_update_``'s ops on the
         gathered values (see :meth:`.triton_passes.TritonPasses.adams`); ``m_old`` is

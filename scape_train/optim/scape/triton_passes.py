@@ -35,12 +35,13 @@ import triton.language as tl
 from ...host_to_device import host_table, upload
 from . import triton_codecs, triton_select
 from .counted_launch import count, run
-from .passes import AdamSStep, Clip, ParamSegment, flat_buffer
+from ..adams_constants import AdamSConstants
+from ..adams_triton import BIAS_CODES, adams_scalars, adams_values
+from .passes import Clip, ParamSegment, flat_buffer
 
 FULL_BLOCK = 4096      # elements per program of a full-size pass
 K_BLOCK = 1024         # index-list entries per program of a k-sized pass
 _OPTS = dict(enable_fp_fusion=False)
-_BIAS = {"adam": 1, "official": 2, "none": 0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,7 +177,7 @@ def _decay_kernel(blocks, param_table, BLOCK: tl.constexpr):
 def _adams_kernel(blocks, param_table, idx, j0, base, ghat, m, out, m_old, norm, max_norm,
                   beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, CLIP: tl.constexpr,
                   HAS_OUT: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """AdamS at one segment block of the mask (``adams_update_``'s arithmetic, op for op): θ
+    """AdamS at one segment block of the mask (:func:`..adams_triton.adams_values`): θ
     updated (the decay pass has run), or θ·dec + the update written to out; m[i] ← m'.
     ``m_old``: m at the mask, from the ĝ pass (before m was zeroed). CLIP: ĝ times
     ``passes.clip_coef(norm, max_norm)``, rounded as torch's ops round it (``+ 1e-6`` in
@@ -191,22 +192,7 @@ def _adams_kernel(blocks, param_table, idx, j0, base, ghat, m, out, m_old, norm,
         coef = tl.div_rn(1.0, tl.load(norm) + 1e-6) * max_norm
         g = g * tl.where(coef > 1.0, 1.0, coef)
     mo = tl.load(m_old + (j - j0), mask=keep, other=0.0)
-    if BIAS == 2:
-        prev = tl.div_rn(mo, bc1)
-    else:
-        prev = mo
-    v = prev * prev
-    v = v * beta2
-    gg = omb2 * g
-    gg = gg * g
-    v = v + gg
-    mn = mo * beta1
-    mn = mn + omb1 * g
-    den = tl.sqrt_rn(v)
-    if BIAS == 1:
-        den = tl.div_rn(den, sqrt_bc2)
-    den = den + eps
-    upd = tl.div_rn(ns * mn, den)
+    mn, upd = adams_values(g, mo, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, BIAS)
     th_ptr = _f32_at(tl.load(row)) + (i - tl.load(row + 1))
     th = tl.load(th_ptr, mask=keep, other=0.0)
     if HAS_OUT:
@@ -456,7 +442,7 @@ class TritonPasses:
 
     def adams(self, idx: torch.Tensor, j0: int, base: int, ghat: torch.Tensor,
               m_old: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
-              segs: list[ParamSegment], hp: AdamSStep, clip: Clip | None,
+              segs: list[ParamSegment], hp: AdamSConstants, clip: Clip | None,
               out: torch.Tensor | None = None) -> None:
         """§2 lines 5-7 at the mask entries ``idx[j0:j0 + k]`` (``ghat``, ``m_old``: their k
         values): m zeroed on ``old_support`` (indices into m; ``None``: everywhere), then
@@ -480,9 +466,8 @@ class TritonPasses:
         run(_adams_kernel, (blocks.numel() // 2,), blocks, self._param_table(segs), idx, j0,
             base, ghat, m, ghat if out is None else out, m_old,
             ghat if clip is None else clip.norm, 0.0 if clip is None else clip.max_norm,
-            hp.beta1, hp.beta2,
-            1.0 - hp.beta1, 1.0 - hp.beta2, hp.bc1, hp.sqrt_bc2, hp.eps, -hp.step_size,
-            CLIP=clip is not None, HAS_OUT=out is not None, BIAS=_BIAS[hp.bias_correction],
+            *adams_scalars(hp), CLIP=clip is not None, HAS_OUT=out is not None,
+            BIAS=BIAS_CODES[hp.bias_correction],
             BLOCK=K_BLOCK, **_OPTS)
 
     def scatter_params(self, idx: torch.Tensor, segs: list[ParamSegment], values: torch.Tensor
