@@ -14,16 +14,22 @@ import torch
 class ParamSegment(NamedTuple):
     """One owner segment of the mask's sorted flat index list: θ's flat view, the tensor's flat
     offset, the index-list slice ``[a, b)`` of its ones, its elements ``[s0, s1)`` in the tensor,
-    the weight decay's factor ``1 - lr·wd`` (applied off the mask as the passes walk θ), and
-    where ``[a, b)``'s values start in a gathered buffer (the sharded parameter all-gather)."""
+    the tensor's weight-decay coefficient ``wd`` (θ's factor ``1 - lr·wd``, :meth:`decay`, is
+    applied off the mask as the passes walk θ), and where ``[a, b)``'s values start in a gathered
+    buffer (the sharded parameter all-gather). Nothing in it depends on the step: the engines
+    build a mask plan's segments once."""
     param: torch.Tensor
     offset: int
     a: int
     b: int
     s0: int
     s1: int
-    decay: float
+    wd: float
     src: int = 0
+
+    def decay(self, lr: float) -> float:
+        """θ's weight-decay factor at learning rate ``lr``."""
+        return 1.0 - lr * self.wd
 
 
 def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
