@@ -74,11 +74,11 @@ def variants() -> list[tuple]:
     for clip, has_out, bias in ((True, False, 1), (False, True, 2), (True, True, 0)):
         out.append((tp._adams_kernel, dict(blocks=P64, param_table=P64, idx=P64, j0=A, base=A,
                                            **f32s("ghat", "m", "out", "m_old", "norm"),
-                                           max_norm="fp32", **scal),
+                                           max_norm="fp32", dec="fp32", **scal),
                     {"CLIP": clip, "HAS_OUT": has_out, "BIAS": bias, **kb}))
     out.append((tp._scatter_params_kernel, dict(blocks=P64, param_table=P64, idx=P64,
                                                 values=F32), kb))
-    out.append((tp._decay_kernel, dict(blocks=P64, param_table=P64), fb))
+    out.append((tp._decay_kernel, dict(blocks=P64, param_table=P64, dec="fp32"), fb))
     # the masks: whole-range packing and the codings
     out.append((tc._pack_kernel, dict(mask_ptr=U8, out_ptr=U8, n=A, nbytes=A),
                 {"PACK_BYTES": tc.PACK_BYTES}))

@@ -132,6 +132,22 @@ def test_gather_scatter_with_the_count_given(n: int, dtype: torch.dtype) -> None
     _check_gather_scatter(values, _mask(40 * 30, 0.2, seed=4).view(30, 40))
 
 
+def test_topk_segments_tie_rule_hand_computed() -> None:
+    """The torch select's order: |c| descending, then index ascending (-0 = +0, NaN above
+    inf, whatever their signs), with no host read."""
+    from scape_train.profiling import DeviceOpCounter
+    nan, inf = float("nan"), float("inf")
+    stat = torch.tensor([1.0, -2.0, 2.0, 0.0, -0.0, 1.0, 0.0,      # k 3: a tie at 1
+                         -inf, nan, inf, -nan, 3.0,                  # k 3: a tie at inf
+                         0.0, -0.0, 0.0, -0.0])                      # k 2: all tied
+    with DeviceOpCounter() as ops:
+        bits = K.topk_segments(stat, ((0, 7, 3), (7, 5, 3), (12, 4, 2)))
+    assert ops.host_syncs == 0, ops.sync_sites
+    assert bits.tolist() == [True, True, True, False, False, False, False,
+                             True, True, False, True, False,
+                             True, True, False, False]
+
+
 def test_bits_are_copied_exactly() -> None:
     # NaN payloads and -0.0 survive: gather and scatter move values, they never compute on them
     bits = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45, 3.0]).view(torch.int32).clone()

@@ -208,3 +208,38 @@ def test_a_steady_step_launches_as_many_kernels_whatever_the_number_of_tensors()
         counted.append((len(params), ops.launches))
     (n1, l1), (n3, l3) = counted
     assert n3 > n1 and l1 == l3 <= 40, counted
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_steady_steps_at_new_learning_rates_launch_alike_and_upload_nothing(sharded):
+    """The Triton path's steady step at a learning rate it has not seen (a schedule moves it
+    every step): the same launches with the same bytes as the step before, no table built
+    from host data, no host read; the segments and their device tables are built once per
+    mask plan."""
+    from scape_train.models import build_model
+    from scape_train.models.config import ModelConfig
+    from scape_train.optim import build_optimizer
+    from scape_train.optim.grad_buffer import write_grads
+    from scape_train.profiling import DeviceOpCounter
+
+    cfg = ModelConfig(name="t", arch="llama", n_layers=1, d_model=32, n_heads=4, n_kv_heads=2,
+                      ffn_dim=64, max_seq_len=16, vocab_size=128, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = build_model(cfg, device=torch.device("cpu"))
+    params = list(model.parameters())
+    s = build_optimizer(OptimizerConfig(name="scape", density=0.05, use_triton="on",
+                                        clip_grad=1.0, sharded=sharded), model)
+    counted = []
+    for t in range(5):
+        gen = torch.Generator().manual_seed(t)
+        write_grads(params, (torch.randn(p.shape, generator=gen) for p in params),
+                    s.grad_buffer)
+        with DeviceOpCounter() as ops:
+            s.step(1e-3 * (1 + t))
+        counted.append(ops)
+    s.close()
+    for ops in counted[3:]:
+        assert ops.host_syncs == 0, ops.sync_sites
+        assert ops.host_tables == 0, ops.ops
+    a, b = counted[3], counted[4]
+    assert a.ops == b.ops and a.kernel_bytes == b.kernel_bytes, (a.ops - b.ops, b.ops - a.ops)

@@ -1,9 +1,9 @@
 """The next mask's Triton top-k (``optim/scape/triton_select.py``), interpreted on the CPU (the
-conftest sets TRITON_INTERPRET=1), against the per-segment ``torch.topk`` it stands in for:
-equal masks where |c| has no ties; with planted ties exactly k ones per segment, every chosen
-|c| >= every unchosen one, and among equal values the lowest indices (also where the tied
-elements overflow a segment's buffer); a fixed number of launches whatever the number of
-segments; no host reads.
+conftest sets TRITON_INTERPRET=1), against the torch path's per-segment top-k of the same keys
+(``kernels.topk_segments``): equal masks, planted ties included; with ties exactly k ones per
+segment, every chosen |c| >= every unchosen one, and among equal values the lowest indices (also
+where the tied elements overflow a segment's buffer); a fixed number of launches whatever the
+number of segments; no host reads.
 """
 
 from __future__ import annotations
@@ -70,10 +70,14 @@ def test_planted_ties_exact_k_and_lowest_indices_first():
     stat[5064:25064:7] = -0.0
     got = _select(stat)
     _check_ties(stat, got)
+    torch_bits = topk_segments(stat, SEGMENTS)
+    _check_ties(stat, torch_bits)
+    assert torch.equal(got, torch_bits)
 
 
 def test_extreme_values_order_as_their_magnitude():
-    """Infinities, subnormals, signed zeros and huge values order by |c|."""
+    """Infinities, subnormals, signed zeros and huge values order by |c|, NaN above inf, on
+    both paths alike."""
     gen = torch.Generator().manual_seed(4)
     stat = torch.randn(TOTAL, generator=gen) * 1e-40        # subnormal
     stat[::97] = torch.randn(stat[::97].shape, generator=gen) * 1e30
@@ -81,8 +85,16 @@ def test_extreme_values_order_as_their_magnitude():
     stat[11::1003] = float("inf")
     got = _select(stat)
     _check_ties(stat, got)
-    finite = stat.isfinite()
-    assert torch.equal(got & finite, topk_segments(stat, SEGMENTS) & finite)
+    assert torch.equal(got, topk_segments(stat, SEGMENTS))
+    stat[12::89] = float("nan")
+    stat[13::91] = -float("nan")
+    got = _select(stat)
+    nan = stat.isnan()
+    for a, n, k in SEGMENTS:      # the NaNs first, the lowest indices first among them
+        x, m = nan[a:a + n], got[a:a + n]
+        first = x & (x.cumsum(0) <= k)
+        assert torch.equal(m & first, first), (a, n, k)
+    assert torch.equal(got, topk_segments(stat, SEGMENTS))
 
 
 def test_model_segments_through_topk_own_mask():

@@ -37,7 +37,7 @@ from .scape.counted_launch import count, run
 
 BLOCK = 4096           # elements per program
 _OPTS = dict(enable_fp_fusion=False)
-_BIAS = {"adam": 1, "official": 2, "none": 0}
+BIAS_CODES = {"adam": 1, "official": 2, "none": 0}     # adams_values' BIAS
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -48,6 +48,12 @@ def _at(table_entry, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
     return ptr
+
+
+def adams_scalars(c: AdamSConstants) -> tuple[float, ...]:
+    """:func:`adams_values`' scalar arguments from ``beta1`` to ``ns``, for step ``c``."""
+    return (c.beta1, c.beta2, 1.0 - c.beta1, 1.0 - c.beta2, c.bc1, c.sqrt_bc2, c.eps,
+            -c.step_size)
 
 
 @triton.jit
@@ -163,10 +169,9 @@ class TritonAdamS:
         whole, tails = self._block_tables(tuple(r[3] for r in rows))
         numel = sum(r[3] for r in rows)
         count("adams_dense", 5 * dtype.itemsize * numel)
-        args = (table, coef if coef is not None else table, c.beta1, c.beta2, 1.0 - c.beta1,
-                1.0 - c.beta2, c.bc1, c.sqrt_bc2, c.eps, -c.step_size, c.decay)
+        args = (table, coef if coef is not None else table, *adams_scalars(c), c.decay)
         meta = dict(DTYPE=_DTYPES[dtype], CLIP=coef is not None, DECAY=c.weight_decay != 0.0,
-                    BIAS=_BIAS[c.bias_correction], ALIGNED=aligned, BLOCK=self.block, **_OPTS)
+                    BIAS=BIAS_CODES[c.bias_correction], ALIGNED=aligned, BLOCK=self.block, **_OPTS)
         if whole.numel():
             run(_adams_dense_kernel, (whole.numel() // 2,), whole, *args, TAIL=False, **meta)
         if tails.numel():

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from scape_train.comm import Comm
+from ..adams_constants import AdamSConstants
 from ..config import OptimizerConfig
 from . import passes
 from .masks import Mask
@@ -83,6 +84,7 @@ class _Plan:
 
     def __init__(self, part: PartitionMap, layout: ParamLayout, counts: list[list[int]]):
         self.segs, self.spans = [], []
+        self.param_segs: dict[tuple, list] = {}     # _FusedEngine._segments, built once
         at = 0
         for rank_segs, rank_counts in zip(part.segments, counts):
             for seg, k in zip(rank_segs, rank_counts):
@@ -156,19 +158,25 @@ class _FusedEngine:
             return self._torch
         return self._lib
 
-    def _segments(self, plan: _Plan, lo: int, hi: int, lr: float, src=None
-                  ) -> list[passes.ParamSegment]:
+    def _segments(self, plan: _Plan, lo: int, hi: int, src=None) -> list[passes.ParamSegment]:
         """The passes' segments of the index-list slice ``[lo, hi)`` (``src(a)``: where a
-        segment's values start in a gathered buffer)."""
-        lay = self.layout
-        return [passes.ParamSegment(lay.flat_view(t), lay.offsets[t], a, b, s0, s1,
-                                    1.0 - lr * lay.weight_decay[t],
-                                    0 if src is None or a == b else src(a))
+        segment's values start in a gathered buffer), built once per plan: the same list object
+        every step, whose device tables the Triton passes keep. The segments view θ's storage,
+        which loads write in place."""
+        key = (lo, hi, src is None)
+        hit = plan.param_segs.get(key)
+        if hit is None:
+            lay = self.layout
+            hit = plan.param_segs[key] = [
+                passes.ParamSegment(lay.flat_view(t), lay.offsets[t], a, b, s0, s1,
+                                    lay.weight_decay[t], 0 if src is None or a == b else src(a))
                 for (t, a, b), (s0, s1) in zip(plan.segs, plan.spans) if a >= lo and b <= hi]
+        return hit
 
-    def _adams_step(self, lr: float, step: int) -> passes.AdamSStep:
+    def _adams_step(self, lr: float, step: int) -> AdamSConstants:
+        """The step's constants (the weight decay is the segments', :meth:`_segments`)."""
         cfg = self.cfg
-        return passes.AdamSStep(lr, *cfg.betas, cfg.eps, cfg.bias_correction, step)
+        return AdamSConstants(step, lr, *cfg.betas, cfg.eps, 0.0, cfg.bias_correction)
 
 
 class FusedReplicatedScape(_FusedEngine):
@@ -237,7 +245,7 @@ class FusedReplicatedScape(_FusedEngine):
             clipped = payload if clip is None else payload * clip_coef(*clip)
             self.last["ghat"] = torch.zeros_like(c).index_copy_(0, idx, clipped)
         plan = self._plan(counts)
-        lib.adams(idx, 0, 0, payload, m_old, m, self._pidx, self._segments(plan, 0, k, lr),
+        lib.adams(idx, 0, 0, payload, m_old, m, self._pidx, self._segments(plan, 0, k),
                   self._adams_step(lr, step), clip)         # θ, m
         self._pidx, self._prev = idx, plan
         self._idx, self._zero_pending = idx, True
@@ -348,7 +356,7 @@ class FusedShardedScape(_FusedEngine):
         res = (torch.linalg.vector_norm(x).double() if x_sq is None or wire_err is not None
                else _root(x_sq, cut))
         plan = self._plan(seg_counts)
-        own_segs = self._segments(plan, s_own, s_own + k_own, lr)
+        own_segs = self._segments(plan, s_own, s_own + k_own)
         shard = torch.zeros(width, dtype=torch.float32, device=x.device)
         if k_own:     # θ·(1 - lr·wd) + the update into the shard; θ itself is not written yet
             lib.adams(idx, s_own, lo, ghat, m_old, m, self._pidx_own, own_segs,
@@ -357,15 +365,14 @@ class FusedShardedScape(_FusedEngine):
             m.zero_()
         else:
             m.index_fill_(0, self._pidx_own, 0.0)
-        segs = self._segments(plan, 0, total, lr,
-                              lambda a: _gathered_at(a, starts, counts, width))
+        segs = self._segments(plan, 0, total, lambda a: _gathered_at(a, starts, counts, width))
         if wire_err is None:
             gathered = torch.empty(width * world, dtype=torch.float32, device=x.device)
             comm.all_gather(gathered, shard, kind="params")
             # θ from the gathered shards at the mask, θ·(1 - lr·wd) elsewhere
-            lib.scatter_params(idx, segs, gathered)
+            lib.scatter_params(idx, segs, gathered, lr)
         else:
-            self._sync_param_updates(idx, shard, own_segs, s_own, own - lo, segs)
+            self._sync_param_updates(idx, shard, own_segs, s_own, own - lo, segs, lr)
         self._pidx, self._pidx_own, self._prev = idx, own - lo, plan
         self._x = None
         return {"grad_norm": norm, "scape/payload_numel": float(total),
@@ -373,7 +380,7 @@ class FusedShardedScape(_FusedEngine):
 
     def _sync_param_updates(self, idx: torch.Tensor, shard: torch.Tensor,
                             own_segs: list[passes.ParamSegment], j0: int, own: torch.Tensor,
-                            segs: list[passes.ParamSegment]) -> None:
+                            segs: list[passes.ParamSegment], lr: float) -> None:
         """A low-precision payload's parameter sync (the reference's ``_sync_param_updates``,
         O(k)): the owner sends ``δ = θ_new - (1-lr·wd)·θ + u`` at its mask entries, coded like
         the payload, and keeps ``u ← δ - deq(q(δ))``; every rank then adds every owner's decoded
@@ -383,8 +390,8 @@ class FusedShardedScape(_FusedEngine):
         if k_own:
             decayed = ops.params_at(idx, own_segs)
             for s in own_segs:
-                if s.decay != 1.0:
-                    decayed[s.a - j0:s.b - j0].mul_(s.decay)
+                if s.decay(lr) != 1.0:
+                    decayed[s.a - j0:s.b - j0].mul_(s.decay(lr))
             shard[:k_own].sub_(decayed).add_(u.index_select(0, own))
         applied = all_gather_rows(shard, self.comm, self.codec, kind="params")
         if self.record:
@@ -394,7 +401,7 @@ class FusedShardedScape(_FusedEngine):
             u.index_copy_(0, own, shard[:k_own].sub_(applied[rank, :k_own]))
         if segs:      # θ[M] ← (1-lr·wd)·θ[M] + the decoded update, on every rank alike
             applied = applied.reshape(-1)
-            ops.decay(segs)
+            ops.decay(segs, lr)
             theta = ops.params_at(idx, segs).add_(torch.cat(
                 [applied[s.src:s.src + s.b - s.a] for s in segs]))
             ops.write_params(idx, segs, [theta[s.a:s.b] for s in segs])

@@ -28,20 +28,43 @@ def nonzero_sorted(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.nonzero_static(mask, size=count).view(-1)
 
 
+SELECT_INDEX_BITS = 31     # the select key's index field: segments of fewer than 2^31 elements
+
+
+def select_keys(x: torch.Tensor, rev: torch.Tensor) -> torch.Tensor:
+    """The select's int64 keys of one segment ``x`` (fp32): ``(|x|'s float bits) << 31 |
+    (2^31 - 1 - i)``, ``i`` the element's index in the segment (``rev``: ``2^31 - 1 - i`` for at
+    least ``x.numel()`` indices). |x|'s bits order as |x| does (the sign cleared: -0 = +0; NaN
+    above inf), and the index makes every key distinct: the ``k`` largest keys are the ``k``
+    largest |x|, the lowest indices first among equal values."""
+    key = (x.view(torch.int32) & 0x7FFFFFFF).to(torch.int64)
+    return key.bitwise_left_shift_(SELECT_INDEX_BITS).bitwise_or_(rev[:x.numel()])
+
+
 def topk_segments(stat: torch.Tensor, segments: tuple[tuple[int, int, int], ...]
                   ) -> torch.Tensor:
-    """Bits (bool) over ``stat``: on each segment ``(start, numel, k)`` the ``k`` largest
-    ``|stat|`` (``torch.topk``: a radix select on a device, no host read; ties broken either
-    way), all ones where ``k == numel``. One ``topk`` per segment: the reference for the
-    Triton select (:mod:`.triton_select`)."""
+    """Bits (bool) over ``stat``: on each segment ``(start, numel, k)`` the ``k`` entries first
+    in the order |stat| descending, then index ascending (-0 = +0, NaN above inf:
+    :func:`select_keys`), all ones where ``k == numel``. One ``torch.topk`` of the int64 keys per
+    segment (a radix select on a device, no host read): the rule of the Triton select
+    (:mod:`.triton_select`), so the masks are the same on every device, ties included."""
     bits = torch.zeros(stat.numel(), dtype=torch.bool, device=stat.device)
+    todo = [(a, n, k) for a, n, k in segments if k < n]
+    longest = max((n for _, n, _ in todo), default=0)
+    if longest >= 1 << SELECT_INDEX_BITS:
+        raise ValueError(f"topk_segments: a segment of {longest} elements is too long for the "
+                         f"select key's {SELECT_INDEX_BITS}-bit index; use a partition with "
+                         f"segments under 2^{SELECT_INDEX_BITS} elements")
+    x = stat if stat.dtype == torch.float32 else stat.float()   # fp32 keeps |stat|'s order
+    rev = torch.arange((1 << SELECT_INDEX_BITS) - 1, (1 << SELECT_INDEX_BITS) - 1 - longest, -1,
+                       dtype=torch.int64, device=stat.device) if todo else None
     for a, numel, k in segments:
         piece = bits[a:a + numel]
         if k >= numel:
             piece.fill_(True)
         else:
-            piece.index_fill_(0, torch.topk(stat[a:a + numel].abs(), k, sorted=False).indices,
-                              True)
+            keys = select_keys(x[a:a + numel], rev)
+            piece.index_fill_(0, torch.topk(keys, k, sorted=False).indices, True)
     return bits
 
 

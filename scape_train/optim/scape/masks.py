@@ -33,7 +33,8 @@ def own_segments(part: PartitionMap, rank: int, layout: ParamLayout, density: fl
 def topk_own_mask(stat_own: torch.Tensor, part: PartitionMap, rank: int, layout: ParamLayout,
                   density: float, lib=None,
                   segments: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor:
-    """The owner's bits over its range ``[lo, hi)``: top-k of ``|stat|`` per segment, by the
+    """The owner's bits over its range ``[lo, hi)``: top-k of ``|stat|`` per segment (among equal
+    values the lowest indices: :func:`.kernels.topk_segments`' rule on every path), by the
     passes ``lib`` (:func:`.strategy.select_passes`: every segment in a few Triton launches,
     or a ``torch.topk`` per segment; default the torch one). ``segments``: the
     :func:`own_segments` of this rank and density, where the caller keeps them."""

@@ -1,12 +1,11 @@
-"""What the fused step's passes take besides tensors: the parameters' segments of the mask and
-one AdamS step's constants; shared by the two implementations (:mod:`.torch_passes`,
-:mod:`.triton_passes`), one of which :func:`.strategy.select_passes` picks once.
+"""What the fused step's passes take besides tensors: the parameters' segments of the mask (and
+one AdamS step's constants, dense AdamS's :class:`..adams_constants.AdamSConstants`); shared by
+the two implementations (:mod:`.torch_passes`, :mod:`.triton_passes`), one of which
+:func:`.strategy.select_passes` picks once.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -15,39 +14,22 @@ import torch
 class ParamSegment(NamedTuple):
     """One owner segment of the mask's sorted flat index list: θ's flat view, the tensor's flat
     offset, the index-list slice ``[a, b)`` of its ones, its elements ``[s0, s1)`` in the tensor,
-    the weight decay's factor ``1 - lr·wd`` (applied off the mask as the passes walk θ), and
-    where ``[a, b)``'s values start in a gathered buffer (the sharded parameter all-gather)."""
+    the tensor's weight-decay coefficient ``wd`` (θ's factor ``1 - lr·wd``, :meth:`decay`, is
+    applied off the mask as the passes walk θ), and where ``[a, b)``'s values start in a gathered
+    buffer (the sharded parameter all-gather). Nothing in it depends on the step: the engines
+    build a mask plan's segments once."""
     param: torch.Tensor
     offset: int
     a: int
     b: int
     s0: int
     s1: int
-    decay: float
+    wd: float
     src: int = 0
 
-
-@dataclass(frozen=True)
-class AdamSStep:
-    """One AdamS step's constants, as ``adams.adams_update_`` computes them."""
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    bias_correction: str      # adam | official | none
-    step: int
-
-    @property
-    def bc1(self) -> float:
-        return 1.0 - self.beta1 ** self.step
-
-    @property
-    def sqrt_bc2(self) -> float:
-        return math.sqrt(1.0 - self.beta2 ** self.step)
-
-    @property
-    def step_size(self) -> float:
-        return self.lr / self.bc1 if self.bias_correction in ("adam", "official") else self.lr
+    def decay(self, lr: float) -> float:
+        """θ's weight-decay factor at learning rate ``lr``."""
+        return 1.0 - lr * self.wd
 
 
 def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 
 from ...host_to_device import upload
 from . import kernels, torch_codecs
-from .passes import AdamSStep, Clip, ParamSegment, clip_coef
+from ..adams_constants import AdamSConstants
+from .passes import Clip, ParamSegment, clip_coef
 
 
 def _sq(x: torch.Tensor) -> torch.Tensor:
@@ -66,11 +67,11 @@ class TorchPasses:
         return idx[spans[0][0]:spans[-1][1]] - offs
 
     @staticmethod
-    def decay(segs: list[ParamSegment]) -> None:
-        """θ ← θ·dec on each segment's elements, where dec is not 1."""
-        dec = [s for s in segs if s.decay != 1.0 and s.s1 > s.s0]
+    def decay(segs: list[ParamSegment], lr: float) -> None:
+        """θ ← θ·dec on each segment's elements, where dec = 1 - lr·wd is not 1."""
+        dec = [s for s in segs if s.decay(lr) != 1.0 and s.s1 > s.s0]
         if dec:
-            torch._foreach_mul_([s.param[s.s0:s.s1] for s in dec], [s.decay for s in dec])
+            torch._foreach_mul_([s.param[s.s0:s.s1] for s in dec], [s.decay(lr) for s in dec])
 
     def params_at(self, idx: torch.Tensor, segs: list[ParamSegment]) -> torch.Tensor:
         """θ at each segment's entries ``idx[a:b]``, as one tensor in index-list order."""
@@ -148,7 +149,7 @@ class TorchPasses:
 
     def adams(self, idx: torch.Tensor, j0: int, base: int, ghat: torch.Tensor,
               m_old: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
-              segs: list[ParamSegment], hp: AdamSStep, clip: Clip | None,
+              segs: list[ParamSegment], hp: AdamSConstants, clip: Clip | None,
               out: torch.Tensor | None = None) -> None:
         """§2 lines 5-7 at the mask entries ``idx[j0:j0 + k]``, ``adams_update_``'s ops on the
         gathered values (see :meth:`.triton_passes.TritonPasses.adams`); ``m_old`` is
@@ -156,12 +157,12 @@ class TorchPasses:
         k = ghat.numel()
         g = ghat if clip is None else ghat * clip_coef(*clip)
         if out is None:
-            self.decay(segs)           # θ·dec first, as adams_update_ orders it
+            self.decay(segs, hp.lr)    # θ·dec first, as adams_update_ orders it
         theta = self.params_at(idx, segs)
         if out is not None:
             for s in segs:
-                if s.decay != 1.0:
-                    theta[s.a - j0:s.b - j0].mul_(s.decay)
+                if s.decay(hp.lr) != 1.0:
+                    theta[s.a - j0:s.b - j0].mul_(s.decay(hp.lr))
         prev = m_old / hp.bc1 if hp.bias_correction == "official" else m_old
         v = prev.square().mul_(hp.beta2).addcmul_(g, g, value=1.0 - hp.beta2)
         m_new = m_old.mul_(hp.beta1).add_(g, alpha=1.0 - hp.beta1)
@@ -180,10 +181,10 @@ class TorchPasses:
         own = idx[j0:j0 + k]
         m.index_copy_(0, own - base if base else own, m_new)
 
-    def scatter_params(self, idx: torch.Tensor, segs: list[ParamSegment], values: torch.Tensor
-                       ) -> None:
+    def scatter_params(self, idx: torch.Tensor, segs: list[ParamSegment], values: torch.Tensor,
+                       lr: float) -> None:
         """θ ← θ·dec on the segments, then θ[idx[a:b]] ← values[src:src + b - a] for each."""
-        self.decay(segs)
+        self.decay(segs, lr)
         self.write_params(idx, segs, [values[s.src:s.src + s.b - s.a] for s in segs])
 
     def write_params(self, idx: torch.Tensor, segs: list[ParamSegment],

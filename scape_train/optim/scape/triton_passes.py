@@ -12,8 +12,10 @@ the density schedule gives; each call is counted as one pass by the active
 - **One flat gradient**: the prepare reads the flat gradient buffer (``optimizer.flat_grads``,
   the default) as one tensor; autograd's own per-tensor gradients take the torch passes.
 - **The parameters' segments in one launch**, as torch's multi-tensor apply does it: a device
-  table of the parameters' addresses, built from the tensors and cached by its content, beside
-  a block table ``(row, first element[, end])`` so that no block straddles two tensors.
+  table of the parameters' addresses, beside a block table ``(row, first element[, end])`` so
+  that no block straddles two tensors, built once per segment list (the engines keep a mask
+  plan's lists); the table says which tensors decay, and the step's decay factor is a kernel
+  argument, so a new learning rate uploads nothing.
 - **Rounding as torch's**: ``enable_fp_fusion=False`` (no FMA contraction), ``div_rn``/
   ``sqrt_rn`` (correctly rounded, where Triton's ``/`` and ``sqrt`` are approximate on the GPU),
   sums of squares in float64 (in another order than torch's, so they agree to rounding).
@@ -26,7 +28,7 @@ decayed segments' other elements. Tested against the fused engine's torch ops un
 
 from __future__ import annotations
 
-import struct
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,12 +37,13 @@ import triton.language as tl
 from ...host_to_device import host_table, upload
 from . import triton_codecs, triton_select
 from .counted_launch import count, run
-from .passes import AdamSStep, Clip, ParamSegment, flat_buffer
+from ..adams_constants import AdamSConstants
+from ..adams_triton import BIAS_CODES, adams_scalars, adams_values
+from .passes import Clip, ParamSegment, flat_buffer
 
 FULL_BLOCK = 4096      # elements per program of a full-size pass
 K_BLOCK = 1024         # index-list entries per program of a k-sized pass
 _OPTS = dict(enable_fp_fusion=False)
-_BIAS = {"adam": 1, "official": 2, "none": 0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,27 +159,28 @@ def _fill_kernel(dst, idx, k, value, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_decay(row):
-    """A parameter-table row's decay factor (a float32's bits in its last int64 column)."""
-    return tl.load(row + 7).to(tl.int32).to(tl.float32, bitcast=True)
+def _row_decay(row, dec):
+    """A parameter-table row's decay factor: the step's ``dec`` where its last column says the
+    tensor decays, else 1."""
+    return tl.where(tl.load(row + 7) != 0, dec, 1.0)
 
 
 @triton.jit
-def _decay_kernel(blocks, param_table, BLOCK: tl.constexpr):
+def _decay_kernel(blocks, param_table, dec, BLOCK: tl.constexpr):
     """θ ← θ·dec on one block of a segment's elements."""
     pid = tl.program_id(0)
     row = param_table + 8 * tl.load(blocks + 3 * pid)
     offs = tl.load(blocks + 3 * pid + 1) + tl.arange(0, BLOCK).to(tl.int64)
     keep = offs < tl.load(blocks + 3 * pid + 2)
     ptr = _f32_at(tl.load(row)) + offs
-    tl.store(ptr, tl.load(ptr, mask=keep, other=0.0) * _row_decay(row), mask=keep)
+    tl.store(ptr, tl.load(ptr, mask=keep, other=0.0) * _row_decay(row, dec), mask=keep)
 
 
 @triton.jit
-def _adams_kernel(blocks, param_table, idx, j0, base, ghat, m, out, m_old, norm, max_norm,
+def _adams_kernel(blocks, param_table, idx, j0, base, ghat, m, out, m_old, norm, max_norm, dec,
                   beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, CLIP: tl.constexpr,
                   HAS_OUT: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """AdamS at one segment block of the mask (``adams_update_``'s arithmetic, op for op): θ
+    """AdamS at one segment block of the mask (:func:`..adams_triton.adams_values`): θ
     updated (the decay pass has run), or θ·dec + the update written to out; m[i] ← m'.
     ``m_old``: m at the mask, from the ĝ pass (before m was zeroed). CLIP: ĝ times
     ``passes.clip_coef(norm, max_norm)``, rounded as torch's ops round it (``+ 1e-6`` in
@@ -191,26 +195,11 @@ def _adams_kernel(blocks, param_table, idx, j0, base, ghat, m, out, m_old, norm,
         coef = tl.div_rn(1.0, tl.load(norm) + 1e-6) * max_norm
         g = g * tl.where(coef > 1.0, 1.0, coef)
     mo = tl.load(m_old + (j - j0), mask=keep, other=0.0)
-    if BIAS == 2:
-        prev = tl.div_rn(mo, bc1)
-    else:
-        prev = mo
-    v = prev * prev
-    v = v * beta2
-    gg = omb2 * g
-    gg = gg * g
-    v = v + gg
-    mn = mo * beta1
-    mn = mn + omb1 * g
-    den = tl.sqrt_rn(v)
-    if BIAS == 1:
-        den = tl.div_rn(den, sqrt_bc2)
-    den = den + eps
-    upd = tl.div_rn(ns * mn, den)
+    mn, upd = adams_values(g, mo, beta1, beta2, omb1, omb2, bc1, sqrt_bc2, eps, ns, BIAS)
     th_ptr = _f32_at(tl.load(row)) + (i - tl.load(row + 1))
     th = tl.load(th_ptr, mask=keep, other=0.0)
     if HAS_OUT:
-        tl.store(out + (j - j0), th * _row_decay(row) + upd, mask=keep)
+        tl.store(out + (j - j0), th * _row_decay(row, dec) + upd, mask=keep)
     else:
         tl.store(th_ptr, th + upd, mask=keep)
     tl.store(m + (i - base), mn, mask=keep)
@@ -255,16 +244,23 @@ def _count_bits_kernel(idx, k, words, parts, BLOCK: tl.constexpr):
 # host side
 
 
-def _float_bits(x: float) -> int:
-    """``x`` rounded to float32 (as torch rounds a scalar for a float32 op), as its bits."""
-    return struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-_ONE_BITS = _float_bits(1.0)
-
-
 def _decays(seg: ParamSegment) -> bool:
-    return _float_bits(seg.decay) != _ONE_BITS and seg.s1 > seg.s0
+    """Whether the passes walk the segment's elements with the step's decay factor (a factor
+    that rounds to 1 multiplies exactly: the walk does not depend on the learning rate)."""
+    return seg.wd != 0.0 and seg.s1 > seg.s0
+
+
+class _SegmentTables(NamedTuple):
+    """What the kernels take of one segment list, built once per list: the parameter table
+    (addresses, slices, whether the tensor decays), the k-sized passes' blocks, the decay
+    pass's blocks (or None), the decayed elements, the one weight-decay coefficient, and the
+    index-list entries."""
+    params: torch.Tensor
+    blocks: torch.Tensor
+    decay_blocks: torch.Tensor | None
+    decayed: int
+    wd: float
+    entries: int
 
 
 class TritonPasses:
@@ -278,6 +274,7 @@ class TritonPasses:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._tables: dict[tuple, torch.Tensor] = {}
+        self._by_list: dict[int, tuple[list, _SegmentTables]] = {}
 
     def topk_mask(self, stat: torch.Tensor, segments: tuple[tuple[int, int, int], ...]
                   ) -> torch.Tensor:
@@ -316,13 +313,30 @@ class TritonPasses:
             return upload(torch.stack(cols, 1).reshape(-1), self.device)
         return self._cached(("blocks", block, with_end, tuple(starts), tuple(ends)), build)
 
-    def _param_table(self, segs: list[ParamSegment]) -> torch.Tensor:
-        return self._table([(s.param.data_ptr(), s.offset, s.a, s.b, s.src, s.s0, s.s1,
-                             _float_bits(s.decay)) for s in segs])
-
-    def _segment_blocks(self, segs: list[ParamSegment]) -> torch.Tensor:
-        """(segment, first index-list entry) of the programs of a k-sized pass over ``segs``."""
-        return self._blocks([s.a for s in segs], [s.b for s in segs], K_BLOCK, False)
+    def _segment_tables(self, segs: list[ParamSegment]) -> _SegmentTables:
+        """``segs``' tables, looked up by the list itself (the engines build a mask plan's
+        segment lists once and pass the same lists every step), else built from its content."""
+        hit = self._by_list.get(id(segs))
+        if hit is not None and hit[0] is segs:
+            return hit[1]
+        wds = {s.wd for s in segs if s.wd != 0.0}
+        if len(wds) > 1:
+            raise ValueError(f"the Triton passes take one weight-decay coefficient per step, "
+                             f"got {sorted(wds)}; use optimizer.use_triton=off")
+        dec = [s for s in segs if _decays(s)]
+        tables = _SegmentTables(
+            self._table([(s.param.data_ptr(), s.offset, s.a, s.b, s.src, s.s0, s.s1,
+                          int(_decays(s))) for s in segs]),
+            self._blocks([s.a for s in segs], [s.b for s in segs], K_BLOCK, False),
+            # rows index the whole table: the other segments' ranges are empty
+            self._blocks([s.s0 for s in segs], [s.s1 if _decays(s) else s.s0 for s in segs],
+                         FULL_BLOCK, True) if dec else None,
+            sum(s.s1 - s.s0 for s in dec), wds.pop() if wds else 0.0,
+            sum(s.b - s.a for s in segs))
+        if len(self._by_list) > 16:       # a density warm-up visits many plans
+            self._by_list.clear()
+        self._by_list[id(segs)] = (segs, tables)
+        return tables
 
     def _parts(self, n: int, dtype=torch.float64) -> torch.Tensor:
         """Per-program partial sums, each written by its program (none: one zero)."""
@@ -359,14 +373,12 @@ class TritonPasses:
             run(_fill_kernel, (triton.cdiv(n, K_BLOCK),), dst, idx[a:], n, value, BLOCK=K_BLOCK)
         self._over_k(idx.numel(), launch, sums=False)
 
-    def _decay(self, segs: list[ParamSegment]) -> None:
-        """θ·dec over the segments' elements ``[s0, s1)`` where dec is not 1: one full-size
-        launch (a coalesced pass costs less than a gap loop per lane)."""
-        sel = [s for s in segs if _decays(s)]
-        if sel:
-            blocks = self._blocks([s.s0 for s in sel], [s.s1 for s in sel], FULL_BLOCK, True)
-            run(_decay_kernel, (blocks.numel() // 3,), blocks, self._param_table(sel),
-                BLOCK=FULL_BLOCK, **_OPTS)
+    def _decay(self, tables: _SegmentTables, dec: float) -> None:
+        """θ·dec over the decaying segments' elements ``[s0, s1)``: one full-size launch (a
+        coalesced pass costs less than a gap loop per lane)."""
+        if tables.decay_blocks is not None:
+            run(_decay_kernel, (tables.decay_blocks.numel() // 3,), tables.decay_blocks,
+                tables.params, dec, BLOCK=FULL_BLOCK, **_OPTS)
 
     def _prepare(self, g, e, s, *, m=None, beta1=0.0, lo=0, hi=0, rho=None, cand=None,
                  parts=None) -> torch.Tensor | None:
@@ -456,7 +468,7 @@ class TritonPasses:
 
     def adams(self, idx: torch.Tensor, j0: int, base: int, ghat: torch.Tensor,
               m_old: torch.Tensor, m: torch.Tensor, old_support: torch.Tensor | None,
-              segs: list[ParamSegment], hp: AdamSStep, clip: Clip | None,
+              segs: list[ParamSegment], hp: AdamSConstants, clip: Clip | None,
               out: torch.Tensor | None = None) -> None:
         """§2 lines 5-7 at the mask entries ``idx[j0:j0 + k]`` (``ghat``, ``m_old``: their k
         values): m zeroed on ``old_support`` (indices into m; ``None``: everywhere), then
@@ -465,36 +477,35 @@ class TritonPasses:
         segments' other elements decayed in the same walk, or (``out``) θ·dec + the update
         written to ``out`` and θ left as it is."""
         k = ghat.numel()
-        decayed = sum(s.s1 - s.s0 for s in segs if _decays(s))
+        tables = self._segment_tables(segs)
+        dec = 1.0 - hp.lr * tables.wd
         count("adams", 28 * k + (0 if old_support is None else 12 * old_support.numel())
-               + (0 if out is not None else 8 * decayed))
+               + (0 if out is not None else 8 * tables.decayed))
         if out is None:      # the off-mask update (and the first half of the on-mask one)
-            self._decay(segs)
+            self._decay(tables, dec)
         if old_support is None:
             m.zero_()
         elif old_support.numel():
             self._fill(m, old_support, 0.0)
-        blocks = self._segment_blocks(segs)
+        blocks = tables.blocks
         if not blocks.numel():
             return
-        run(_adams_kernel, (blocks.numel() // 2,), blocks, self._param_table(segs), idx, j0,
+        run(_adams_kernel, (blocks.numel() // 2,), blocks, tables.params, idx, j0,
             base, ghat, m, ghat if out is None else out, m_old,
-            ghat if clip is None else clip.norm, 0.0 if clip is None else clip.max_norm,
-            hp.beta1, hp.beta2,
-            1.0 - hp.beta1, 1.0 - hp.beta2, hp.bc1, hp.sqrt_bc2, hp.eps, -hp.step_size,
-            CLIP=clip is not None, HAS_OUT=out is not None, BIAS=_BIAS[hp.bias_correction],
+            ghat if clip is None else clip.norm, 0.0 if clip is None else clip.max_norm, dec,
+            *adams_scalars(hp), CLIP=clip is not None, HAS_OUT=out is not None,
+            BIAS=BIAS_CODES[hp.bias_correction],
             BLOCK=K_BLOCK, **_OPTS)
 
-    def scatter_params(self, idx: torch.Tensor, segs: list[ParamSegment], values: torch.Tensor
-                       ) -> None:
+    def scatter_params(self, idx: torch.Tensor, segs: list[ParamSegment], values: torch.Tensor,
+                       lr: float) -> None:
         """θ ← θ·dec on the segments, then θ[idx[a:b]] ← values[src:src + b - a] for each."""
-        decayed = sum(s.s1 - s.s0 for s in segs if _decays(s))
-        count("scatter_params", 16 * sum(s.b - s.a for s in segs) + 8 * decayed)
-        self._decay(segs)          # first: the scatter overwrites the mask positions
-        blocks = self._segment_blocks(segs)
-        if blocks.numel():
-            run(_scatter_params_kernel, (blocks.numel() // 2,), blocks, self._param_table(segs),
-                idx, values, BLOCK=K_BLOCK)
+        tables = self._segment_tables(segs)
+        count("scatter_params", 16 * tables.entries + 8 * tables.decayed)
+        self._decay(tables, 1.0 - lr * tables.wd)   # first: the scatter overwrites the mask
+        if tables.blocks.numel():
+            run(_scatter_params_kernel, (tables.blocks.numel() // 2,), tables.blocks,
+                tables.params, idx, values, BLOCK=K_BLOCK)
 
     def count_common(self, a: torch.Tensor, b: torch.Tensor | None, bits: torch.Tensor
                      ) -> torch.Tensor:

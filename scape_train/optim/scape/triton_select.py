@@ -4,8 +4,8 @@ launches whatever the number of tensors (the CUDA path of :func:`.masks.topk_own
 A segmented radix select on the key ``(|c| as its float bits) << 31 | (2^31 - 1 - i)``, ``i``
 the element's index in its segment: |c|'s bits order as |c| does (sign cleared; NaN above inf),
 and the index makes every key distinct, so the ``k`` largest keys are exactly ``k`` elements:
-the ``k`` largest ``|c|``, and among equal values at the threshold the lowest indices. Where
-``|c|`` has no ties at the threshold this is the set ``torch.topk`` selects.
+the ``k`` largest ``|c|``, and among equal values at the threshold the lowest indices: the rule
+the torch path (:func:`.kernels.topk_segments`) follows too, so both give the same mask.
 
 Launches (with the scratch's one zero fill), none sized by the data:
   1. ``hist``: a histogram of every segment's top 11 key bits (|c|'s bits 30..20) over its
@@ -26,7 +26,7 @@ the same result, no host read.
 
 Full-size traffic: two reads of ``c`` (4 B each), one write of the bits (1 B); the levels read
 the undecided elements (about the bin's share of ``c``: well under 1% at SCAPE's densities).
-Tested against the torch top-k under ``TRITON_INTERPRET=1`` (tests/test_triton_select.py).
+Tested against the torch path under ``TRITON_INTERPRET=1`` (tests/test_triton_select.py).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ...host_to_device import host_table, upload
 from .counted_launch import launch
+from .kernels import SELECT_INDEX_BITS
 
 BLOCK = 8192           # elements per program (segment-aligned blocks)
 NB = 2048              # bins per level (11 key bits)
@@ -45,7 +46,7 @@ NUM_WARPS = 8
 # the undecided ones
 LEVELS = ((51, 11), (40, 11), (29, 11), (18, 11), (7, 11), (0, 7))
 NLEV = tl.constexpr(len(LEVELS))
-IDX_BITS = 31          # the key's index field: segments of fewer than 2^31 elements
+IDX_BITS = SELECT_INDEX_BITS      # the key's index field (the torch path's too)
 
 # segment table columns (int64): first element in the owner's range, numel, k (numel: all
 # ones), the buffer's first slot, its slots
