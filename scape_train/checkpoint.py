@@ -222,8 +222,12 @@ class CheckpointManager:
     def latest_valid_agreed(self) -> Path | None:
         """The newest checkpoint whose files verify on every rank, each rank hashing only the
         files it reads (at 64 ranks, every rank hashing every file would read the whole
-        checkpoint 64 times); one ``all_ok`` per candidate agrees. Collective."""
-        for path in reversed(self.list()):
+        checkpoint 64 times); one ``all_ok`` per candidate agrees. The candidates are rank 0's
+        list, so that ranks that list the directory at different moments (a save still landing)
+        test the same checkpoint in the same round: one missing on a rank fails its check there.
+        Collective."""
+        names = self.info.comm.broadcast_object([p.name for p in self.list()])
+        for path in (self.root / name for name in reversed(names)):
             ok = True
             try:
                 manifest = json.loads((path / MANIFEST).read_text())
