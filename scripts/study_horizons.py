@@ -6,7 +6,8 @@ The search's setup (``study_scape99.py``: the ``study`` model on ``data=classics
 length), run at several horizons:
 
 1. ``tune``: every setting (dense AdamS included) and the local-step candidates at
-   ``--tune-steps`` (10000), seed 0, at 3 lrs (its search lr x 0.5, 1, 2); the lowest final
+   ``--tune-steps`` (10000), seed 0, at 3 lrs (its search lr x 0.5, 1, 2), the grid extended
+   one step past an edge where the winner sits (at most twice per side); the lowest final
    validation loss wins and is used at every horizon;
 2. ``horizons``: the settings at every horizon (3000, 10000, 30000 steps), 3 paired seeds for
    dense AdamS and SCAPE-99, seed 0 for the others.
@@ -16,8 +17,9 @@ checkpoint when the study is started again (``resume=auto``); finished runs are 
 killed study loses at most that many steps per run. Each run records the commit of the code it
 ran (``code.json`` at its start; a resume at another commit is refused) and its command.
 
-The runs write JSON only (``docs/figures/scape99_horizons.json``); ``--report-only`` renders the
-section of ``docs/quality.md`` and the figure from that JSON.
+The runs write JSON only (``docs/figures/scape99_horizons.json``); ``--report-only`` computes the
+summary again from that JSON's runs (under the command line's plan), then renders the section of
+``docs/quality.md`` and the figure from it.
 
     .venv/bin/python scripts/study_horizons.py --dry-run                 # plan and estimate
     .venv/bin/python scripts/study_horizons.py --stage tune              # the lr tuning
@@ -46,6 +48,7 @@ H_BEGIN, H_END = doc_sections.markers("study_horizons")
 HORIZONS = (3000, 10000, 30000)
 TUNE_STEPS = 10000
 LR_FACTORS = (0.5, 1.0, 2.0)
+MAX_EXTENSIONS = 2               # lrs added beyond each edge of the grid while the winner sits there
 CHECKPOINT_EVERY = 1000
 MARGIN = s99.MARGIN
 BASELINE = s99.BASELINE
@@ -105,16 +108,52 @@ def lr_grid(setting: str, factors) -> list[float]:
     return [float(f"{centre * f:.3g}") for f in factors]
 
 
-def tuned_lr(results: dict, setting: str, p: Plan) -> float | None:
-    """The lr of the grid with the lowest final validation loss at the tuning horizon (seed 0);
-    None until every lr of the grid has finished (or if all diverged)."""
-    done = {r["lr"]: r["final_val_loss"] for r in results.values()
+def _tune_losses(results: dict, setting: str, p: Plan) -> dict[float, float | None]:
+    """Every finished seed-0 tuning run of ``setting``: lr -> final validation loss (None:
+    diverged)."""
+    return {r["lr"]: r["final_val_loss"] for r in results.values()
             if r["candidate"] == setting and r["seed"] == 0 and r["steps"] == p.tune_steps}
-    grid = lr_grid(setting, p.lr_factors)
-    if any(not any(math.isclose(lr, d) for d in done) for lr in grid):
-        return None
-    ok = {lr: v for lr, v in done.items() if v is not None and any(math.isclose(lr, g) for g in grid)}
-    return min(ok, key=ok.get) if ok else None
+
+
+def _has(lrs, lr: float) -> bool:
+    return any(math.isclose(lr, x) for x in lrs)
+
+
+def tuning(results: dict, setting: str, p: Plan) -> tuple[list[float], float | None, bool]:
+    """The setting's lr grid as the runs so far make it, its winner, and whether the winner sits
+    at the grid's edge.
+
+    The grid starts at ``p.lr_factors`` of the search lr. Once every lr of it has finished, a
+    winner at the lowest (highest) lr adds the next lr below (above) it, one grid ratio further,
+    at most ``MAX_EXTENSIONS`` times per side, so a winner is only taken where both neighbours
+    lost (or the extensions ran out: ``at_edge``). The winner is None until every lr of the
+    grid has finished, or if all diverged."""
+    done = _tune_losses(results, setting, p)
+    factors = sorted(p.lr_factors)
+    ratio = factors[1] / factors[0] if len(factors) > 1 else 2.0
+    extended = {"low": 0, "high": 0}
+    while True:
+        grid = lr_grid(setting, factors)
+        if not all(_has(done, lr) for lr in grid):
+            return grid, None, False
+        ok = {lr: v for lr, v in done.items() if v is not None and _has(grid, lr)}
+        if not ok:
+            return grid, None, False
+        best = min(ok, key=ok.get)
+        side = ("low" if math.isclose(best, min(grid)) else
+                "high" if math.isclose(best, max(grid)) else None)
+        if side is None or len(grid) < 2:
+            return grid, best, False
+        if extended[side] == MAX_EXTENSIONS:
+            return grid, best, True
+        extended[side] += 1
+        factors = ([factors[0] / ratio, *factors] if side == "low" else
+                   [*factors, factors[-1] * ratio])
+
+
+def tuned_lr(results: dict, setting: str, p: Plan) -> float | None:
+    """The winner of the setting's lr grid (``tuning``)."""
+    return tuning(results, setting, p)[1]
 
 
 def plan(results: dict, p: Plan) -> list[tuple[HRun, bool]]:
@@ -128,7 +167,7 @@ def plan(results: dict, p: Plan) -> list[tuple[HRun, bool]]:
             out.append((run, ready))
 
     for name in p.settings:
-        for lr in lr_grid(name, p.lr_factors):
+        for lr in tuning(results, name, p)[0]:
             add(HRun(name, lr, 0, p.tune_steps, "tune"), True)
     for name in p.settings:
         st = SETTINGS[name]
@@ -231,14 +270,11 @@ def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> di
     views (total; steady per step)."""
     tune = {}
     for name in p.settings:
-        grid = lr_grid(name, p.lr_factors)
-        pts = sorted([r["lr"], r["final_val_loss"]] for r in results.values()
-                     if r["candidate"] == name and r["seed"] == 0 and r["steps"] == p.tune_steps
-                     and any(math.isclose(r["lr"], g) for g in grid))
-        best = tuned_lr(results, name, p)
+        grid, best, at_edge = tuning(results, name, p)
+        pts = sorted([lr, v] for lr, v in _tune_losses(results, name, p).items()
+                     if _has(grid, lr))
         tune[name] = {"label": s99.CANDIDATES[name].label, "grid": grid, "losses": pts,
-                      "best": best, "at_edge": best is not None and (
-                          math.isclose(best, min(grid)) or math.isclose(best, max(grid)))}
+                      "best": best, "at_edge": at_edge}
     gaps = {}
     for name in p.settings:
         lr, base_lr = tune[name]["best"], tune.get(BASELINE, {}).get("best")
@@ -291,14 +327,18 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
              f"The search's setup ({s['params']:,} parameters, {s['tokens_per_step']:,} tokens per "
              f"step) at {', '.join(f'{h:,}' for h in s['horizons'])} steps, each run's lr schedule "
              f"ending at its own length. lr tuned at {s['tune_steps']:,} steps on seed 0 (3 values "
-             "per setting), the winner used at every horizon. Gaps are to dense AdamS on the same "
+             "per setting, one more past an edge where the winner sits, at most twice per side), "
+             "the winner used at every horizon. Gaps are to dense AdamS on the same "
              "seed: the mean over paired seeds with its 95% t-interval, or seed 0's alone.", "",
              "| setting | lr: final val loss (seed 0) | winner |", "|---|---|---|"]
     for name, t in s["tune"].items():
         pts = ", ".join(f"{lr:g}: " + ("diverged" if v is None else f"{v:.4f}")
                         for lr, v in t["losses"]) or "not run"
-        win = "n/a" if t["best"] is None else f"{t['best']:g}" + (
-            " (at the grid's edge)" if t["at_edge"] else "")
+        missing = [lr for lr in t["grid"] if not any(math.isclose(lr, x) for x, _ in t["losses"])]
+        win = ("waits for " + ", ".join(f"{lr:g}" for lr in missing)
+               if t["best"] is None and t["losses"] and missing else
+               "n/a" if t["best"] is None else f"{t['best']:g}" + (
+                   " (at the grid's edge after its extensions)" if t["at_edge"] else ""))
         lines.append(f"| {t['label']} (`{name}`) | {pts} | {win} |")
     lines += ["", "| setting | steps | tokens per parameter | seeds | gap to AdamS | 95% interval |",
               "|---|---|---|---|---|---|"]
@@ -418,8 +458,12 @@ def main(argv=None) -> int:
         if not json_path.exists():
             print(f"{json_path} does not exist: run the study first", file=sys.stderr)
             return 1
-        write_report(json.loads(json_path.read_text()), json_path, Path(a.report))
-        print(f"wrote {a.report} and {json_path.parent / 'scape99_horizons.png'}")
+        # the summary again from the runs alone, under this plan (the JSON's own may come from
+        # a narrower invocation, e.g. one setting's grid extension)
+        params = json.loads(json_path.read_text())["summary"]["params"]
+        write_report(write_json(sq.json_runs(json_path), p, json_path, params), json_path,
+                     Path(a.report))
+        print(f"wrote {json_path}, {a.report} and {json_path.parent / 'scape99_horizons.png'}")
         return 0
     planned = plan(results, p)
 

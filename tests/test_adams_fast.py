@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from scape_train.optim.adams import AdamS, select_update
-from scape_train.optim.adams_foreach import foreach_update
+from scape_train.optim.adams_constants import AdamSConstants
+from scape_train.optim.adams_foreach import chunked_update, foreach_update
+from scape_train.optim.adams import reference_update
 from scape_train.profiling import DeviceOpCounter
 
 # mixed shapes: whole blocks only, tails only, both, a scalar-sized one (the tests' block is 256)
@@ -108,8 +110,28 @@ def test_foreach_launches_do_not_grow_with_tensors():
     assert launches(3) == launches(40) <= 12
 
 
+@pytest.mark.parametrize("chunk", [1, 64, 300, 10_000])
+def test_cpu_slices_give_the_reference_bits(chunk):
+    """Slices cut across tensors and gathered across them, a non-contiguous tensor kept whole:
+    every element gets the reference's ops, so the same bits."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(16, 32), (300,), (7, 130), (1,), (512,), (3, 5, 17)]
+    base = [torch.randn(s, generator=g) for s in shapes]
+    base.append(torch.randn(40, 30, generator=g).t())            # non-contiguous
+    grads = [torch.randn(b.shape, generator=g) for b in base]
+    moms = [torch.randn(b.shape, generator=g) * 0.1 for b in base]
+    c = AdamSConstants(4, 3e-3, 0.9, 0.95, 1e-8, 0.1, "adam")
+    coef = torch.tensor(0.6)
+    ref_p, ref_m = [b.clone() for b in base], [m.clone() for m in moms]
+    reference_update(ref_p, grads, ref_m, c, coef)
+    got_p, got_m = [b.clone() for b in base], [m.clone() for m in moms]
+    chunked_update(got_p, grads, got_m, c, coef, chunk=chunk)
+    assert all(torch.equal(r, x) for r, x in zip(ref_p + ref_m, got_p + got_m))
+
+
 def test_select_update():
-    assert select_update("auto", torch.device("cpu")) is foreach_update
+    assert select_update("auto", torch.device("cpu")) is chunked_update
+    assert select_update("foreach", torch.device("meta")) is foreach_update   # CUDA's: whole bucket
     with pytest.raises(ValueError, match="impl must be one of"):
         select_update("fast", torch.device("cpu"))
 

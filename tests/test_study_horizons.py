@@ -47,19 +47,55 @@ def test_plan_tunes_first_then_runs_every_horizon_at_the_winner():
     assert not any(ok for r, ok in planned if r.stage == "horizons")
     assert {r.lr for r in tune if r.setting == "adams"} == {5e-4, 1e-3, 2e-3}
     results = {}
-    _tuned(results, p, {"adams": 2e-3, "scape99": 2e-3, "f_fp8_e4m3_d10": 2e-3,
-                        "diloco_h30": 1e-3})
+    centre = {name: sh.s99.CANDIDATES[name].lr for name in p.settings}
+    _tuned(results, p, centre)
     planned = sh.plan(results, p)
     hz = [r for r, _ in planned if r.stage == "horizons"]
     assert all(ok for _, ok in planned)
     # 3 seeds x 3 horizons for AdamS and SCAPE-99, seed 0 for the recommended setting, less the
     # tuning's own 10000-step seed-0 runs; DiLoCo only at the tuning horizon
     assert len(hz) == 2 * (9 - 1) + (3 - 1) and not any(r.setting == "diloco_h30" for r in hz)
-    assert {r.lr for r in hz if r.setting == "scape99"} == {2e-3}
+    assert {r.lr for r in hz if r.setting == "scape99"} == {centre["scape99"]}
     assert {(r.steps, r.seed) for r in hz if r.setting == "adams"} == \
         {(h, k) for h in (3000, 10000, 30000) for k in range(3)} - {(10000, 0)}
     # the study's estimate: many hours on 2 cores (a 30000-step run is about 40 minutes)
     assert 20 * 60 < sh.estimate_s(sh.HRun("adams", 1e-3, 0, 30000, "horizons")) < 90 * 60
+
+
+def test_a_winner_at_the_grids_edge_extends_the_grid_before_any_horizon_runs():
+    p = sh.Plan(settings=("adams",))
+    results = {}
+
+    def finish(lr: float, loss: float | None) -> None:
+        r = _rec("adams", lr, 0, p.tune_steps, loss)
+        results[r["id"]] = r
+
+    def tune_lrs() -> set[float]:
+        return {r.lr for r, _ in sh.plan(results, p) if r.stage == "tune"}
+
+    for lr, loss in ((5e-4, 3.44), (1e-3, 3.48), (2e-3, 3.51)):   # the lowest lr wins
+        finish(lr, loss)
+    assert tune_lrs() == {2.5e-4, 5e-4, 1e-3, 2e-3}
+    assert sh.tuned_lr(results, "adams", p) is None
+    assert not any(ok for r, ok in sh.plan(results, p) if r.stage == "horizons")
+    finish(2.5e-4, 3.46)                     # the neighbour below loses: 5e-4 is the winner
+    assert sh.tuning(results, "adams", p) == ([2.5e-4, 5e-4, 1e-3, 2e-3], 5e-4, False)
+    assert all(ok for r, ok in sh.plan(results, p) if r.stage == "horizons")
+    assert {r.lr for r, _ in sh.plan(results, p) if r.stage == "horizons"} == {5e-4}
+    finish(2.5e-4, 3.40)                     # it wins instead: one more below, then no more
+    assert tune_lrs() == {1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3}
+    finish(1.25e-4, 3.30)
+    grid, best, at_edge = sh.tuning(results, "adams", p)
+    assert (best, at_edge) == (1.25e-4, True) and len(grid) == 3 + sh.MAX_EXTENSIONS
+    s = sh.horizon_summary(results, PARAMS, TOKENS, p)
+    assert s["tune"]["adams"]["at_edge"] and len(s["tune"]["adams"]["losses"]) == 5
+    assert "(at the grid's edge after its extensions)" in sh.render_horizons(s, "figures")
+    # the highest lr winning extends upwards; a diverged run never wins
+    results.clear()
+    for lr, loss in ((5e-4, 3.6), (1e-3, 3.5), (2e-3, 3.4)):
+        finish(lr, loss)
+    finish(4e-3, None)
+    assert sh.tuning(results, "adams", p)[1:] == (2e-3, False)
 
 
 def _with_horizons(gaps: dict[int, list[float]]) -> tuple[dict, sh.Plan]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from scape_train.config import Config
+from scape_train.optim.adams_foreach import slices
 from scape_train.optim.density import DensitySchedule, segment_k
 from scape_train.optim.dense import adams_impl
 from scape_train.plan.simulate import Replay
@@ -77,6 +78,14 @@ def _adam_state(name: str, n: int) -> list[tuple[str, int]]:
     return [("AdamW exp_avg + exp_avg_sq (fp32)", 2 * F32 * n)]
 
 
+def _largest_slice(p: _Params) -> int:
+    """The most elements one ``_foreach`` call of the CPU's AdamS holds (its slices of each
+    param group, the trainer's decay / no-decay split)."""
+    groups = [[n for n, d in zip(p.numels, p.ndims) if d >= 2],
+              [n for n, d in zip(p.numels, p.ndims) if d < 2]]
+    return max((sum(b - a for _, a, b in sl) for g in groups for sl in slices(g)), default=0)
+
+
 def _adam_step(r: Replay, name: str, p: _Params, o, on_gpu: bool, scaled_grads: bool) -> None:
     """The temporaries of one AdamW / AdamS step, for the implementation the device runs
     (``optim.dense.build_local_optimizer``); clip_grad_norm_'s are per-tensor scalars.
@@ -91,8 +100,10 @@ def _adam_step(r: Replay, name: str, p: _Params, o, on_gpu: bool, scaled_grads: 
             return
         # v = m^2*beta2 + (1-beta2) g^2; "official" divides m by bc1 first; g*coef where clipped
         copies = 1 + (o.bias_correction == "official") + scaled_grads
-        if impl == "foreach":     # each _foreach op makes its result for the whole group at once
+        if impl == "foreach" and on_gpu:   # each _foreach op makes its result for the whole group
             r.spike(copies * F32 * group, "AdamS foreach temporaries of a param group")
+        elif impl == "foreach":            # the CPU's: one slice at a time
+            r.spike(copies * F32 * _largest_slice(p), "AdamS foreach temporaries of a slice")
         else:
             r.spike(copies * F32 * p.largest, "AdamS v of the largest tensor")
     elif on_gpu and o.foreach:    # torch's fused AdamW: one kernel, no temporaries
