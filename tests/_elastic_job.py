@@ -33,8 +33,13 @@ TIMEOUT_S = 8   # collectives and votes: a frozen worker is cut after this
 
 
 class ElasticJob:
-    def __init__(self, root: Path, cache: str, *extra: str, strategy: str = "diloco"):
+    def __init__(self, root: Path, cache: str, *extra: str, strategy: str = "diloco",
+                 min_replicas: int = 1):
+        """``min_replicas``: the lighthouse's; a fault-free reference sets it to its worker count,
+        so that a worker slow to start (torch imports on a loaded machine) cannot miss the
+        first rounds and heal in later, which changes the trajectory."""
         self.root, self.cache, self.extra, self.strategy = Path(root), cache, extra, strategy
+        self.min_replicas = min_replicas
         self.port = free_port()
         self.lighthouse: subprocess.Popen | None = None
         self.workers: dict[int, subprocess.Popen] = {}
@@ -47,7 +52,8 @@ class ElasticJob:
         if self.lighthouse is not None:
             self.old.append(self.lighthouse)
         cmd = [sys.executable, "-m", "scape_train.elastic", "lighthouse", "--port",
-               str(self.port), "--join-timeout-ms", "2000", "--heartbeat-timeout-ms", "2000"]
+               str(self.port), "--join-timeout-ms", "2000", "--heartbeat-timeout-ms", "2000",
+               "--min-replicas", str(self.min_replicas)]
         self.lighthouse = fj.launch(cmd, self.root / "logs" / f"lighthouse{len(self.old)}")
 
     def launch(self, workers: int, env: dict[int, dict[str, str]] | None = None) -> None:

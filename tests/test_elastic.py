@@ -25,7 +25,14 @@ from tests.helpers import compose_config
 pytest.importorskip("torchft")
 
 ROUNDS = 12              # short rows: 12 rounds of H = 5 steps
-LOSS_TOL = 0.15          # nats: a fault may cost a few rounds of a worker's data
+# nats. A fault changes the trajectory (fewer workers per round, a late starter healed in, a
+# failed round's drift joining the next), and at 60 steps a different legitimate trajectory moves
+# the final loss this much: fault-free runs of the short job with trainer.seed 1337, 1..4 ended at
+# 6.145, 6.064, 6.051, 5.912, 5.905 (a 0.24 range); a worker killed at the vote, 6.065 and 5.951.
+# The short job's train loss has flattened by step 15 (5.8-6.1 from there on; 6.8 over steps
+# 1-5, ln 2048 = 7.6 at random), so this check catches a diverged or corrupted model, not a
+# small loss of progress: equal parameters and counted tokens are the exact checks.
+LOSS_TOL = 0.35
 SLOW = ("trainer.micro_batch_size=16",)   # long rows: rounds slow enough for a restart to join
 
 
@@ -53,7 +60,8 @@ def job_factory(tmp_path, cache):
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory, cache):
     """Three workers, no fault: the reference loss for the short rows."""
-    job = ElasticJob(tmp_path_factory.mktemp("fault_free"), cache, f"trainer.max_steps={ROUNDS * H}")
+    job = ElasticJob(tmp_path_factory.mktemp("fault_free"), cache, f"trainer.max_steps={ROUNDS * H}",
+                     min_replicas=3)
     try:
         job.launch(3)
         job.wait_done(range(3))
