@@ -13,7 +13,7 @@ The step has one path on every device: static shapes (top-k by ``torch.topk``,
   interpreter (``TRITON_INTERPRET=1``) on CPU tensors. The interpreter is slow, so the model is
   a ~7M-parameter Llama, not bench_optim's 50M (bytes per parameter hardly depend on the size
   at a fixed density).
-Beside them, for scale: dense AdamS.
+Beside them, for scale: dense AdamS, on the CPU's foreach path and on CUDA's Triton kernel.
 
 What is counted (``profiling.DeviceOpCounter``): every dispatched torch op's inputs and outputs,
 and every Triton pass by the elements it reads and writes (counted in ``triton_passes.TritonPasses``) -- logical
@@ -142,8 +142,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(MODEL, device="cpu")
     params = sum(q.numel() for q in model.parameters())
-    rows = {"dense AdamS + clip": count(model, ("adams", 1, {"clip_grad": 1.0}), args.steps,
-                                        params)}
+    rows = {"dense AdamS + clip, foreach (the CPU's)": count(
+                model, ("adams", 1, {"clip_grad": 1.0, "use_triton": "off"}), args.steps, params),
+            "dense AdamS + clip, Triton (CUDA's)": count(
+                model, ("adams", 1, {"clip_grad": 1.0, "use_triton": "on"}), args.steps, params)}
     for d in map(float, args.densities.split(",")):
         for sharded in (False, True):
             mode = "sharded" if sharded else "replicated"

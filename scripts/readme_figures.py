@@ -10,6 +10,8 @@ RECOMMENDED_POINT = "f_fp8_e4m3_d10"  # the same runs on the frontier
 REFERENCE = "scape99"
 BASELINE = "adams"
 
+DENSE_ADAMS_CUDA = "dense AdamS + clip, Triton (CUDA's)"   # bench_cuda_bytes' row
+
 
 def speedups(speed: dict) -> dict[str, float]:
     """SCAPE-99's step-time speed-up over dense AdamS per link rate, from bench_speed_summary."""
@@ -98,7 +100,7 @@ def results(speed: dict, vol: list, study: dict, search: dict, cuda: dict, ops: 
         "[quality.md](docs/quality.md) |",
         f"| bytes moved per parameter by the optimizer step (CUDA path, Triton, d 0.1) | "
         f"{b['CUDA path, Triton, replicated, d=0.1']['bytes_per_param']:.1f} (dense AdamS "
-        f"{b['dense AdamS + clip']['bytes_per_param']:.0f}) | "
+        f"{b[DENSE_ADAMS_CUDA]['bytes_per_param']:.0f}) | "
         "[performance.md](docs/performance.md) |",
         f"| host syncs per optimizer step, every optimizer, {ops['world']} ranks | {syncs:g} | "
         "[gpu.md](docs/gpu.md) |",
