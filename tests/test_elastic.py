@@ -169,7 +169,9 @@ def test_worker_killed_at_the_outer_round(job_factory, fault_free):
 @pytest.mark.slow
 def test_worker_frozen_past_the_timeout_then_heals(job_factory):
     job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
-    job.wait_rows(2, 3)
+    # frozen mid-round, so that its peers' exchange waits for it until the timeout (frozen
+    # between its vote and the next quorum, it would only miss that quorum)
+    job.wait_until(fj.metrics_lines(job.run_dir(2), 2 * H + 2), "worker 2 mid-round 3")
     job.signal(2, signal.SIGSTOP)
     frozen = len(job.rounds(0))
     job.wait_until(lambda: len([r for r in job.rounds(0) if r["quorum"] == [0, 1]
