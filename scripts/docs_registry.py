@@ -9,6 +9,7 @@ rewrites the pages from this list and ``tests/test_docs.py`` checks them against
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
@@ -108,6 +109,9 @@ SECTIONS: list[Section] = [
     _page("bench_trainer", "performance.md", "bench_trainer", "bench_trainer.json",
           fn="ratio_table"),
     _page("bench_device_ops", "gpu.md", "bench_device_ops", "bench_device_ops.json", fn="render"),
+    # a device run's targets: registered once its JSON is committed (scripts/gpu_targets.py)
+    *([_page("gpu_targets", "gpu.md", "gpu_targets", "gpu_check.json", fn="render")]
+      if (Path(__file__).resolve().parents[1] / F / "gpu_check.json").exists() else []),
     _page("bench_checkpoint", "checkpoint.md", "bench_checkpoint", "bench_checkpoint.json",
           _checkpoint),
     _page("bench_gasloc", "gasloc.md", "bench_gasloc", "bench_gasloc_results.json", _gasloc),

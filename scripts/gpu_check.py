@@ -100,7 +100,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated check names")
     ap.add_argument("--limits", default="", help="name=seconds,... replacing the checks' limits")
     ap.add_argument("--deadline", type=float, default=DEADLINE_S, help="all checks together, s")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "docs"))
+    # $OUT on the device machine; elsewhere a scratch folder (docs/gpu.md is the page, rendered
+    # from a committed run by scripts/gpu_targets.py)
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "outputs" / "gpu_check"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     ap.add_argument("--limit", type=float, help=argparse.SUPPRESS)

@@ -4,7 +4,8 @@
 #                                        (scripts/gpu_wheels.sh makes them), then runs every check,
 #                                        most valuable first, each within its time limit: < 6 min
 #   bash scripts/gpu_check.sh --dry-run  lists the checks and their time limits (any machine, CI)
-# Figures: $OUT (device machine) or docs/: gpu_check.json and gpu.md, nothing else.
+# Figures: $OUT (device machine) or outputs/gpu_check/: gpu_check.json and gpu.md, nothing else;
+# scripts/gpu_targets.py records a run in docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
