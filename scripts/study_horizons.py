@@ -25,6 +25,10 @@ summary again from that JSON's runs (under the command line's plan), then render
     .venv/bin/python scripts/study_horizons.py --stage tune              # the lr tuning
     .venv/bin/python scripts/study_horizons.py --stage horizons          # then the horizons
     .venv/bin/python scripts/study_horizons.py --report-only
+
+Long runs go in a checkout at a fixed commit (``git worktree add ../runs 496b96f``; a resume at
+another commit is refused). ``--drive ../runs`` plans with this tool's rules and has that
+checkout's tool run each ready run; copy its JSON here and ``--report-only`` to render.
 """
 
 from __future__ import annotations
@@ -443,17 +447,63 @@ def parse(argv=None):
     a.add_argument("--json", default=str(REPO / "docs" / "figures" / "scape99_horizons.json"))
     a.add_argument("--report", default=str(REPO / "docs" / "quality.md"))
     a.add_argument("--extra", nargs="*", default=["trainer.dist_timeout_s=3600"])
+    a.add_argument("--drive", metavar="WORKTREE", help="run the plan's runs with the study tool of "
+                   "a checkout at the runs' commit (see drive_command); --json and --out-dir "
+                   "default to that checkout's")
     return a.parse_args(argv)
+
+
+def drive_command(results: dict, p: Plan, python: str) -> list[str] | None:
+    """The command that has a checkout at the runs' commit (which may predate this tool's rules,
+    e.g. the grid extension) run this plan's next ready run: its tool, one run, of that run's
+    setting and stage, with that setting's lr grid as factors (so both tools take the same
+    winner). None when no run is ready."""
+    ready = [r for r, ok in plan(results, p) if ok and r.id(p.shape) not in results]
+    if not ready:
+        return None
+    run = ready[0]
+    centre = s99.CANDIDATES[run.setting].lr
+    factors = sorted({float(f"{lr / centre:.6g}") for lr in tuning(results, run.setting, p)[0]})
+    horizons = [str(h) for h in p.horizons]
+    return [python, "scripts/study_horizons.py", "--stage", run.stage, "--settings", run.setting,
+            "--max-runs", "1", "--lr-factors", *map(str, factors), "--horizons", *horizons,
+            "--tune-steps", str(p.tune_steps), "--shape", p.shape, "--ranks", str(p.ranks)]
+
+
+def drive(worktree: Path, p: Plan, json_path: Path, runs_dir: Path) -> int:
+    """Run the plan's runs one by one in ``worktree`` (``drive_command``) until none is ready."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(worktree)}
+    while True:
+        results = {**sq.json_runs(json_path), **s99.load(runs_dir)} if runs_dir.exists() \
+            else sq.json_runs(json_path)
+        cmd = drive_command(results, p, sys.executable)
+        if cmd is None:
+            print("drive: no run is ready")
+            return 0
+        print(f"drive: {' '.join(cmd[1:])} (in {worktree})", flush=True)
+        rc = subprocess.call(cmd, cwd=worktree, env=env)
+        if rc != 0:
+            return rc
 
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.drive:
+        wt = Path(a.drive).resolve()
+        for flag, rel in (("json", "docs/figures/scape99_horizons.json"),
+                          ("out_dir", "outputs/study_horizons")):
+            if getattr(a, flag) == parse([]).__dict__[flag]:
+                setattr(a, flag, str(wt / rel))
     p = Plan(shape=a.shape, ranks=a.ranks, horizons=tuple(sorted(a.horizons)),
              tune_steps=a.tune_steps, lr_factors=tuple(a.lr_factors), settings=tuple(a.settings),
              seeds=a.seeds)
     json_path, runs_dir = Path(a.json), Path(a.out_dir) / "runs"
     results = {**sq.json_runs(json_path), **s99.load(runs_dir)} if runs_dir.exists() \
         else sq.json_runs(json_path)
+    if a.drive:
+        return drive(Path(a.drive).resolve(), p, json_path, Path(a.out_dir) / "runs")
     if a.report_only:
         if not json_path.exists():
             print(f"{json_path} does not exist: run the study first", file=sys.stderr)

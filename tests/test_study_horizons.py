@@ -98,6 +98,30 @@ def test_a_winner_at_the_grids_edge_extends_the_grid_before_any_horizon_runs():
     assert sh.tuning(results, "adams", p)[1:] == (2e-3, False)
 
 
+def test_drive_command_runs_the_next_ready_run_with_the_settings_grid():
+    p = sh.Plan(settings=("adams",), horizons=(3000,))
+    results = {}
+    cmd = sh.drive_command(results, p, "py")
+    assert cmd[:8] == ["py", "scripts/study_horizons.py", "--stage", "tune", "--settings", "adams",
+                       "--max-runs", "1"]
+    assert cmd[cmd.index("--lr-factors") + 1:cmd.index("--horizons")] == ["0.5", "1.0", "2.0"]
+    for lr, loss in ((5e-4, 3.44), (1e-3, 3.48), (2e-3, 3.51)):       # the edge wins: extend
+        r = _rec("adams", lr, 0, p.tune_steps, loss)
+        results[r["id"]] = r
+    cmd = sh.drive_command(results, p, "py")
+    assert cmd[cmd.index("--lr-factors") + 1:cmd.index("--horizons")] == ["0.25", "0.5", "1.0",
+                                                                           "2.0"]
+    r = _rec("adams", 2.5e-4, 0, p.tune_steps, 3.46)
+    results[r["id"]] = r
+    cmd = sh.drive_command(results, p, "py")           # tuned: the horizons, with the same grid
+    assert cmd[2:4] == ["--stage", "horizons"] and "0.25" in cmd
+    assert cmd[cmd.index("--horizons") + 1] == "3000"
+    for seed in range(3):
+        r = _rec("adams", 5e-4, seed, 3000, 3.9)
+        results[r["id"]] = r
+    assert sh.drive_command(results, p, "py") is None
+
+
 def _with_horizons(gaps: dict[int, list[float]]) -> tuple[dict, sh.Plan]:
     p = sh.Plan(settings=("adams", "scape99", "f_fp8_e4m3_d10"), horizons=tuple(gaps))
     results = {}
