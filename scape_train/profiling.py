@@ -80,7 +80,9 @@ active_counters: list = []
 @contextlib.contextmanager
 def host_tables():
     """Tensors built from host data in here are host tables, or uploaded asynchronously from
-    pinned memory (``scape_train.host_to_device``): not a stall, counted as ``host_tables``."""
+    pinned memory (``scape_train.host_to_device``), and values read in here are of host memory
+    an asynchronous copy filled and an event made current (``scape_train.step_flags``): not a
+    stall, counted as ``host_tables``."""
     depth = getattr(_HOST_TABLES, "depth", 0)
     _HOST_TABLES.depth = depth + 1
     try:
@@ -225,7 +227,10 @@ class _Function(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SYNC_METHODS:
-            self.owner.sync(getattr(func, "__name__", str(func)))
+            if getattr(_HOST_TABLES, "depth", 0):   # host memory a waited event made current
+                self.owner.host_tables += 1
+            else:
+                self.owner.sync(getattr(func, "__name__", str(func)))
         return func(*args, **(kwargs or {}))
 
 

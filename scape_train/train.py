@@ -35,6 +35,7 @@ from scape_train.plan.check import check_memory, resolve_checkpointing
 from scape_train.preemption import StopSignal, warn_if_save_outlasts_the_agent
 from scape_train.rng import get_rng_state, seed_everything, set_rng_state
 from scape_train.schedule import lr_at
+from scape_train.step_flags import StepFlags
 from scape_train.tracking import init_wandb
 
 log = logging.getLogger("scape_train")
@@ -189,6 +190,11 @@ class Trainer:
                 outer_comm = self.replica.comm
                 shard, shards = cfg.strategy.elastic.replica, cfg.strategy.elastic.slots
             self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model, outer_comm)
+        # The step's flags are read one step late where nothing waits on them: a stop policy on
+        # a synchronous strategy (all ranks stop together). A skip must be decided before the
+        # update, and a local-step worker must not take a non-finite drift into its round.
+        self.flags = StepFlags(info.device)
+        self.defer_flags = cfg.trainer.nan_policy == "stop" and self.strategy.synchronous
         self.train_loader = build_train_loader(cfg.data, self.tokenizer, cfg.trainer.micro_batch_size,
                                                shard, shards,
                                                pin_memory=info.device.type == "cuda")
@@ -323,7 +329,7 @@ class Trainer:
                    min_lr=cfg.optimizer.min_lr, warmup=cfg.trainer.warmup_steps,
                    total=cfg.trainer.max_steps, decay_steps=cfg.trainer.decay_steps)
         strategy.before_forward(step)
-        loss_sum = torch.zeros((), device=info.device)  # one host sync per step, not per micro
+        loss_sum = torch.zeros((), device=info.device)  # summed on the device, not read per micro
         for micro in range(self.accum):
             with timer.phase("data"):
                 x, y = next(self.train_loader)
@@ -340,24 +346,44 @@ class Trainer:
         with timer.phase("optimizer"):
             strategy.after_backward()
             # One tiny collective of device scalars agrees on the loss, a non-finite loss and a
-            # stop request; reading it is the step's one host sync (the skip decision needs it).
-            # Local-step strategies make no per-step collective: each worker judges its own.
+            # stop request. Local-step strategies make no per-step collective: each worker
+            # judges its own.
             flags = [loss_sum, (~torch.isfinite(loss_sum)).float(), float(stop.requested)]
             if strategy.synchronous:
-                loss_total, bad, stop_any = self.comm.reduce_scalars(flags).tolist()
-                loss_mean = loss_total / info.world_size
+                agreed = self.comm.reduce_scalars(flags)
+                agreed[0] /= info.world_size
             else:
-                loss_mean, bad, stop_any = self.comm.scalars(flags).tolist()
-            stop.agreed = stop_any > 0
-            if bad > 0:
-                strategy.zero_grad()
-                return self._non_finite(step, loss_mean)
+                agreed = self.comm.scalars(flags)
+            if not self.defer_flags:
+                # the skip decision needs them before the update: the step's one host sync
+                loss_mean, bad, stop_any = agreed.tolist()
+                stop.agreed = stop_any > 0
+                if bad > 0:
+                    strategy.zero_grad()
+                    return self._non_finite(step, loss_mean)
+            else:
+                # nan_policy=stop on a synchronous strategy: the previous step's flags are
+                # judged now (a non-finite loss stops the run before anything is saved), this
+                # step's next time, so the host never waits for the device within a step
+                self.settle_flags(stop)
+                self.flags.post(step, agreed)
             metrics = strategy.step(lr)
             strategy.zero_grad()
         self.state.nan_skips = 0
         self.state.step = step
         self.state.tokens += self.tokens_per_step
-        return {"loss": loss_mean, "lr": lr, **metrics}
+        return {"loss": agreed[0], "lr": lr, **metrics}
+
+    def settle_flags(self, stop: StopSignal) -> None:
+        """Judge the posted step's flags (if any): stop on a non-finite loss, agree on a stop
+        request. Every rank takes the same all-reduced flags at the same step."""
+        taken = self.flags.take()
+        if taken is None:
+            return
+        step, (loss_mean, bad, stop_any) = taken
+        stop.agreed = stop.agreed or stop_any > 0
+        if bad > 0:
+            self._non_finite(step, loss_mean)
 
     def _non_finite(self, step: int, loss: float) -> dict[str, float]:
         policy, t = self.cfg.trainer.nan_policy, self.cfg.trainer
@@ -405,9 +431,18 @@ class Trainer:
                     # ``agreed`` is the step count all ranks share (None between a local-step
                     # strategy's sync points): validation, checkpoints and the end happen there.
                     agreed = self.strategy.progress(step)
+                    acting = agreed is not None and (
+                        agreed >= t.max_steps or stop.agreed
+                        or (stop_at is not None and agreed >= stop_at)
+                        or _crossed(done, agreed, t.eval_every)
+                        or _crossed(done, agreed, t.checkpoint_every))
+                    if acting or step % t.log_every == 0:
+                        # this step's flags, read now: a non-finite loss stops the run before
+                        # anything is logged or saved
+                        self.settle_flags(stop)
                     if step % t.log_every == 0 or agreed == t.max_steps:
                         # the only place the step's device metrics are read (NCCL: no per-step
-                        # host syncs beyond the loss agreement)
+                        # host syncs)
                         metrics = read_on_host(metrics)
                         elapsed = time.perf_counter() - window_start
                         tok_s = self.tokens_per_step * window_steps / elapsed

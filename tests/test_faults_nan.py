@@ -108,6 +108,33 @@ def test_stop_names_step_and_resume_continues(tmp_path, cache, monkeypatch):
     assert run(job(tmp_path, cache, "resume=auto"))["step"] == 7
 
 
+def _two_ranks_one_bad_between_checkpoints(rank, world, run_dir, cache):
+    import os
+
+    if rank == 1:
+        os.environ["SCAPE_FAULT_NAN_STEPS"] = "3"
+    try:
+        run(job(run_dir, cache, "trainer.checkpoint_every=2", "trainer.log_every=4",
+                "trainer.dist_timeout_s=60", "trainer.nan_policy=stop"))
+    except NonFiniteLossError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_stop_between_checkpoints_reads_the_flags_a_step_late_and_saves_nothing_bad(tmp_path,
+                                                                                     cache):
+    """Step 3 is neither a log nor a checkpoint step, so its flags are read at step 4: the NaN
+    update of step 3 is never saved, both ranks stop at the same point naming step 3, and the
+    checkpoint of step 2 is the last, finite."""
+    errors = run_distributed(_two_ranks_one_bad_between_checkpoints, 2, (str(tmp_path), cache))
+    assert all("non-finite loss (nan) at step 3." in e and "step_00000002" in e for e in errors), \
+        errors
+    manager = CheckpointManager(tmp_path / "checkpoints", None)
+    assert [p.name for p in manager.list()] == ["step_00000002"]
+    state = torch.load(manager.latest_valid() / "model.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
 def _two_ranks_one_bad(rank, world, run_dir, cache):
     import os
 
