@@ -173,13 +173,14 @@ def plan(results: dict, p: Plan) -> list[tuple[HRun, bool]]:
     for name in p.settings:
         for lr in tuning(results, name, p)[0]:
             add(HRun(name, lr, 0, p.tune_steps, "tune"), True)
-    for name in p.settings:
-        st = SETTINGS[name]
-        if not st.horizons:
-            continue
-        lr = tuned_lr(results, name, p)
-        seeds = st.seeds if p.seeds is None else min(st.seeds, p.seeds)
-        for steps in p.horizons:
+    # horizon by horizon (the shortest first), every setting at each: paired gaps come early
+    for steps in p.horizons:
+        for name in p.settings:
+            st = SETTINGS[name]
+            if not st.horizons:
+                continue
+            lr = tuned_lr(results, name, p)
+            seeds = st.seeds if p.seeds is None else min(st.seeds, p.seeds)
             for seed in range(seeds):
                 add(HRun(name, lr or s99.CANDIDATES[name].lr, seed, steps, "horizons"),
                     lr is not None)
