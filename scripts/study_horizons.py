@@ -444,8 +444,10 @@ def parse(argv=None):
     a.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     a.add_argument("--seeds", type=int, default=None, help="at most this many seeds per setting")
     a.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY)
-    a.add_argument("--out-dir", default=str(REPO / "outputs" / "study_horizons"))
-    a.add_argument("--json", default=str(REPO / "docs" / "figures" / "scape99_horizons.json"))
+    a.add_argument("--out-dir", default=None, help="default: outputs/study_horizons of this "
+                   "checkout (of --drive's)")
+    a.add_argument("--json", default=None, help="default: docs/figures/scape99_horizons.json "
+                   "of this checkout (of --drive's)")
     a.add_argument("--report", default=str(REPO / "docs" / "quality.md"))
     a.add_argument("--extra", nargs="*", default=["trainer.dist_timeout_s=3600"])
     a.add_argument("--drive", metavar="WORKTREE", help="run the plan's runs with the study tool of "
@@ -491,19 +493,16 @@ def drive(worktree: Path, p: Plan, json_path: Path, runs_dir: Path) -> int:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    if a.drive:
-        wt = Path(a.drive).resolve()
-        for flag, rel in (("json", "docs/figures/scape99_horizons.json"),
-                          ("out_dir", "outputs/study_horizons")):
-            if getattr(a, flag) == parse([]).__dict__[flag]:
-                setattr(a, flag, str(wt / rel))
+    root = Path(a.drive).resolve() if a.drive else REPO
+    a.json = a.json or str(root / "docs" / "figures" / "scape99_horizons.json")
+    a.out_dir = a.out_dir or str(root / "outputs" / "study_horizons")
     p = Plan(shape=a.shape, ranks=a.ranks, horizons=tuple(sorted(a.horizons)),
              tune_steps=a.tune_steps, lr_factors=tuple(a.lr_factors), settings=tuple(a.settings),
              seeds=a.seeds)
     json_path, runs_dir = Path(a.json), Path(a.out_dir) / "runs"
     results = {**sq.json_runs(json_path), **s99.load(runs_dir)} if runs_dir.exists() \
         else sq.json_runs(json_path)
-    if a.drive:
+    if a.drive and not (a.dry_run or a.report_only):    # those two only read the checkout's
         return drive(Path(a.drive).resolve(), p, json_path, Path(a.out_dir) / "runs")
     if a.report_only:
         if not json_path.exists():

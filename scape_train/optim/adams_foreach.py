@@ -14,6 +14,8 @@ faster than the reference there (``scripts/bench_optim.py``), with the same valu
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .adams_constants import AdamSConstants
@@ -43,10 +45,12 @@ def foreach_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     torch._foreach_addcdiv_(params, exp_avgs, v, value=-c.step_size)
 
 
-def slices(numels: list[int], chunk: int = CPU_CHUNK, whole: set[int] = frozenset()
+@functools.lru_cache(maxsize=64)
+def slices(numels: tuple[int, ...], chunk: int = CPU_CHUNK, whole: frozenset[int] = frozenset()
            ) -> list[list[tuple[int, int, int]]]:
     """How :func:`chunked_update` cuts a bucket of tensors of ``numels`` elements: a list of
-    slices, each a list of ``(tensor, start, stop)`` flat ranges. Consecutive tensors are
+    slices, each a list of ``(tensor, start, stop)`` flat ranges (cached: a bucket's shapes are
+    the same every step; read-only). Consecutive tensors are
     gathered, and tensors larger than ``chunk`` cut, until a slice holds ``chunk`` elements or
     more; the tensors in ``whole`` are never cut. (The memory plan reads its largest slice.)"""
     out: list[list[tuple[int, int, int]]] = []
@@ -70,11 +74,11 @@ def chunked_update(params: list[torch.Tensor], grads: list[torch.Tensor],
                    chunk: int = CPU_CHUNK) -> None:
     """:func:`foreach_update` over the :func:`slices` of the bucket (a non-contiguous tensor
     goes whole: its flat view would be a copy)."""
-    whole = {t for t, (p, g, m) in enumerate(zip(params, grads, exp_avgs))
-             if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous())}
+    whole = frozenset(t for t, (p, g, m) in enumerate(zip(params, grads, exp_avgs))
+             if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous()))
     flat = [(p, g, m) if t in whole else (p.view(-1), g.view(-1), m.view(-1))
             for t, (p, g, m) in enumerate(zip(params, grads, exp_avgs))]
-    for sl in slices([p.numel() for p in params], chunk, whole):
+    for sl in slices(tuple(p.numel() for p in params), chunk, whole):
         ps, gs, ms = zip(*(flat[t] if t in whole else tuple(x[a:b] for x in flat[t])
                            for t, a, b in sl))
         foreach_update(list(ps), list(gs), list(ms), c, coef)

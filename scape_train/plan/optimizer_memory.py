@@ -81,8 +81,8 @@ def _adam_state(name: str, n: int) -> list[tuple[str, int]]:
 def _largest_slice(p: _Params) -> int:
     """The most elements one ``_foreach`` call of the CPU's AdamS holds (its slices of each
     param group, the trainer's decay / no-decay split)."""
-    groups = [[n for n, d in zip(p.numels, p.ndims) if d >= 2],
-              [n for n, d in zip(p.numels, p.ndims) if d < 2]]
+    groups = [tuple(n for n, d in zip(p.numels, p.ndims) if d >= 2),
+              tuple(n for n, d in zip(p.numels, p.ndims) if d < 2)]
     return max((sum(b - a for _, a, b in sl) for g in groups for sl in slices(g)), default=0)
 
 
