@@ -42,8 +42,9 @@ class TrainerConfig:
     keep_last: int = 3                # checkpoints kept (older ones are pruned)
     precision: str = "auto"           # auto (bf16 where supported, GPU) | fp32 | bf16
     compile: str = "auto"             # auto (CUDA only) | true | false: compile each block, the loss
-    # none | selective | full | auto (the memory plan picks the least recompute that fits);
-    # true/false = full/none. Trade-offs: scape_train/models/checkpointing.py
+    # none | selective | full | full_every_N (every N-th block full, the others selective) |
+    # auto (the memory plan picks the least recompute that fits); true/false = full/none.
+    # Trade-offs: scape_train/models/checkpointing.py
     activation_checkpointing: str = "none"
     loss_chunk_tokens: int = 8192     # micro-batches of more tokens get the loss chunk by chunk,
                                       # never all logits at once (models/loss.py); 0 = never

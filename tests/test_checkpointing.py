@@ -12,7 +12,8 @@ import torch
 from scape_train import distributed as D
 from scape_train.config import ConfigError, validate
 from scape_train.models import build_model
-from scape_train.models.checkpointing import parse_policy, policy_of
+from scape_train.models.checkpointing import (LADDER, block_policies, parse_policy, policy_of,
+                                              stronger_than)
 from scape_train.models.config import ModelConfig
 from scape_train.models.training import compile_enabled, parse_compile, prepare_for_training
 from scape_train.plan.check import resolve_checkpointing
@@ -37,9 +38,9 @@ def _train(model, batches, lr=1e-2):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt"])
-@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("policy", ["full", "selective", "full_every_2"])
 def test_each_policy_gives_the_loss_and_gradients_of_no_checkpointing(arch, policy):
-    cfg = ModelConfig(arch=arch, n_layers=2, d_model=32, n_heads=4,
+    cfg = ModelConfig(arch=arch, n_layers=3, d_model=32, n_heads=4,
                       n_kv_heads=2 if arch == "llama" else 0, ffn_dim=64, max_seq_len=16,
                       vocab_size=64, tie_embeddings=arch == "gpt", bias=arch == "gpt")
     torch.manual_seed(0)
@@ -76,6 +77,24 @@ def test_a_policy_replaces_the_previous_one_and_none_restores_the_class():
     assert len({type(b) for b in model.layers}) == 1
 
 
+def test_mixed_policies_put_every_nth_block_in_full_and_the_rest_selective():
+    assert block_policies("full_every_2", 5) == ["full", "selective"] * 2 + ["full"]
+    assert block_policies("full_every_4", 3) == ["full", "selective", "selective"]
+    assert block_policies("selective", 2) == ["selective"] * 2
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64), vocab_size=64)
+    prepare_for_training(model, "full_every_2", compile=False, loss_chunk_tokens=0)
+    assert policy_of(model) == "full_every_2"
+    assert len({type(b) for b in model.layers}) == 2          # one class per block policy
+    prepare_for_training(model, "full_every_4", compile=False, loss_chunk_tokens=0)
+    assert policy_of(model) == "full_every_4"
+    # in recompute order: what auto walks, and what the plan's fixes try after a given policy
+    assert LADDER == ("none", "selective", "full_every_4", "full_every_2", "full")
+    assert stronger_than("selective") == ["full_every_4", "full_every_2", "full"]
+    assert stronger_than("full_every_3") == ["full_every_2", "full"]
+    assert stronger_than("full") == [] and stronger_than("auto") == list(LADDER[1:])
+
+
 def test_selective_keeps_less_than_none_and_more_than_full():
     """The plan traces each policy's saved activations (two Llama-500M blocks, fake tensors)."""
     cfg = compose_config(["+experiment=llama500m_s99", "trainer.global_batch_size=0",
@@ -93,17 +112,22 @@ def test_selective_keeps_less_than_none_and_more_than_full():
 @pytest.mark.parametrize("value, policy", [("none", "none"), ("full", "full"),
                                            ("selective", "selective"), ("auto", "auto"),
                                            ("true", "full"), ("false", "none"),
-                                           ("True", "full"), (False, "none"), (True, "full")])
+                                           ("True", "full"), (False, "none"), (True, "full"),
+                                           ("full_every_2", "full_every_2"),
+                                           ("FULL_EVERY_03", "full_every_3")])
 def test_policy_values_accepted(value, policy):
     assert parse_policy(value) == policy
 
 
 def test_config_accepts_the_policies_and_compile_values_and_refuses_others():
-    for value in ("none", "selective", "full", "auto", "true", "false"):
+    for value in ("none", "selective", "full", "full_every_4", "auto", "true", "false"):
         validate(compose_config([f"trainer.activation_checkpointing={value}"]))
+    for value in ("full_every_1", "full_every_0", "full_every_", "every_2"):
+        with pytest.raises(ConfigError, match="full_every_N"):
+            validate(compose_config([f"trainer.activation_checkpointing={value}"]))
     for value in ("auto", "true", "false"):
         validate(compose_config([f"trainer.compile={value}"]))
-    with pytest.raises(ConfigError, match="activation_checkpointing must be none|full|selective"):
+    with pytest.raises(ConfigError, match="activation_checkpointing must be none|selective|full"):
         validate(compose_config(["trainer.activation_checkpointing=some"]))
     with pytest.raises(ConfigError, match="trainer.compile must be auto|true|false"):
         validate(compose_config(["trainer.compile=maybe"]))
@@ -120,19 +144,18 @@ def test_compile_auto_is_cuda_only():
 
 def test_auto_picks_the_least_recompute_that_fits():
     cfg = compose_config(SMALL + ["trainer.activation_checkpointing=auto",
-                                  "trainer.micro_batch_size=64"])
+                                  "trainer.micro_batch_size=64", "model.n_layers=4"])
     gpu = lambda capacity: DeviceSpec("test", "gpu", capacity)   # noqa: E731
     peaks = {p: plan_memory(with_checkpointing(cfg, p), 1, gpu(1 << 50), trace=True).peak
-             for p in ("none", "selective", "full")}
-    assert peaks["full"] < peaks["selective"] < peaks["none"]
+             for p in LADDER}
+    assert [peaks[p] for p in LADDER] == sorted(peaks.values(), reverse=True)
+    assert len(set(peaks.values())) == len(LADDER), peaks
     reserve, margin = gpu(0).reserve, 1 - gpu(0).fragmentation
 
     def capacity_for(peak):        # the smallest device whose usable memory holds ``peak``
         return int(peak / margin) + reserve + 1
 
-    for capacity, expected in ((capacity_for(peaks["none"]), "none"),
-                               (capacity_for(peaks["selective"]), "selective"),
-                               (capacity_for(peaks["full"]), "full")):
+    for capacity, expected in ((capacity_for(peaks[p]), p) for p in LADDER):
         plan = choose_checkpointing(cfg, 1, gpu(capacity), trace=True)
         assert plan.activation_checkpointing == expected and plan.fits
         assert f"activation checkpointing auto: {expected}" in plan.notes[-1]
@@ -149,10 +172,10 @@ def test_the_trainer_resolves_auto_before_its_memory_check():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["full", "selective"])
-def test_compiled_checkpointed_blocks_share_one_graph_and_match_eager(policy):
-    """Compile outside the checkpoint, block by block: one graph serves every block (one
-    compile, not one per layer), no graph break, and bf16 gradients as eager's."""
+@pytest.mark.parametrize("policy, graphs", [("full", 1), ("selective", 1), ("full_every_2", 2)])
+def test_compiled_checkpointed_blocks_share_one_graph_and_match_eager(policy, graphs):
+    """Compile outside the checkpoint, block by block: one graph serves every block of a policy
+    (one compile, not one per layer), no graph break, and bf16 gradients as eager's."""
     from torch._dynamo.utils import counters
 
     cfg = ModelConfig(n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
@@ -174,7 +197,7 @@ def test_compiled_checkpointed_blocks_share_one_graph_and_match_eager(policy):
     torch._dynamo.reset()
     counters.clear()
     loss, got = grads(compiled)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
     ref_loss, ref = grads(eager)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-3)
     for a, b in zip(got, ref):

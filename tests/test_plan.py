@@ -176,6 +176,7 @@ def test_a_density_warmup_plans_its_largest_step_reference_or_fused():
 @pytest.mark.parametrize("overrides", [
     [], SMALL, ["model=gpt_tiny"], ["trainer.activation_checkpointing=true"],
     ["trainer.activation_checkpointing=selective", "trainer.precision=bf16"],
+    SMALL + ["model.n_layers=5", "trainer.activation_checkpointing=full_every_2"],
     SMALL + ["trainer.loss_chunk_tokens=64"], ["model=gpt_tiny", "trainer.loss_chunk_tokens=100"],
     ["trainer.precision=bf16"], ["model.dropout=0.1"],
     ["trainer.micro_batch_size=4", "trainer.global_batch_size=16", "optimizer=scape"],

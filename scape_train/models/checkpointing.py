@@ -5,6 +5,11 @@
     selective   a block keeps the outputs of its matmuls and of attention, and recomputes the
                 elementwise rest (norms, RoPE, activations, residual adds): most of full's saving
                 on the [B, T, ffn] tensors at a fraction of its recompute (no GEMM runs twice)
+    full_every_N  blocks 0, N, 2N, ... full, the others selective: between the two in memory and
+                recompute (1/N of the forward runs again). Keeping the others whole (none) instead,
+                as layer-wise schemes do, would keep more than selective and recompute more too.
+
+``auto`` walks LADDER (the least recompute first) and takes the first policy the memory plan fits.
 
 Each block is given a subclass of its own class (once per class and policy, shared by every block,
 so a compiled block's code is the same for all of them) whose ``forward`` runs the original one
@@ -16,6 +21,7 @@ checkpoint, as torchtitan applies them). Inference calls (no grad, or a KV cache
 from __future__ import annotations
 
 import functools
+import re
 from typing import Callable
 
 import torch
@@ -23,21 +29,46 @@ from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-POLICIES = ("none", "selective", "full")            # less memory and more recompute, in order
-CHOICES = (*POLICIES, "auto")
+BLOCK_POLICIES = ("none", "selective", "full")      # what one block runs under
+# less memory and more recompute, in order: what auto and the plan's fixes try
+LADDER = ("none", "selective", "full_every_4", "full_every_2", "full")
 # the boolean spellings (YAML true/false, or Hydra's str of a bool) mean full and none
 BOOLEANS = {"true": "full", "false": "none"}
+_EVERY = re.compile(r"full_every_(\d+)")
 
 
 def parse_policy(value: object) -> str:
-    """``trainer.activation_checkpointing`` as one of CHOICES; true/false mean full/none."""
+    """``trainer.activation_checkpointing`` as none|selective|full|full_every_N (N >= 2)|auto;
+    true/false mean full/none."""
     text = str(value).strip().lower()
     text = BOOLEANS.get(text, text)
-    if text not in CHOICES:
-        raise ValueError(
-            f"trainer.activation_checkpointing must be none|full|selective|auto (true/false: "
-            f"full/none), got {value!r}")
-    return text
+    every = _EVERY.fullmatch(text)
+    if text in (*BLOCK_POLICIES, "auto") or (every and int(every[1]) >= 2):
+        return f"full_every_{int(every[1])}" if every else text
+    raise ValueError(
+        f"trainer.activation_checkpointing must be none|selective|full|full_every_N (N >= 2: "
+        f"every N-th block full, the others selective)|auto (true/false: full/none), got {value!r}")
+
+
+def block_policies(policy: str, n_layers: int) -> list[str]:
+    """The policy of each of ``n_layers`` blocks under a resolved model-wide policy."""
+    every = _EVERY.fullmatch(policy)
+    if every is None:
+        return [policy] * n_layers
+    return ["full" if i % int(every[1]) == 0 else "selective" for i in range(n_layers)]
+
+
+def recompute_order(policy: str) -> float:
+    """Where ``policy`` sits between none (0) and full (2): selective 1, full_every_N 1 + 1/N."""
+    every = _EVERY.fullmatch(policy)
+    return 1 + 1 / int(every[1]) if every else float(BLOCK_POLICIES.index(policy))
+
+
+def stronger_than(policy: str) -> list[str]:
+    """The LADDER's policies that keep less than ``policy`` (auto: all but none), in order."""
+    if policy == "auto":
+        return list(LADDER[1:])
+    return [p for p in LADDER if recompute_order(p) > recompute_order(policy)]
 
 
 def _saved_ops() -> frozenset:
@@ -86,20 +117,29 @@ def base_class(block: nn.Module) -> type:
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: str = "full") -> None:
-    """Checkpoint every block of ``model.layers`` with ``policy`` (see the module's docstring);
+    """Checkpoint the blocks of ``model.layers`` with ``policy`` (see the module's docstring);
     applying another policy later replaces the first one."""
     policy = parse_policy(policy)
     if policy == "auto":
         raise ValueError("activation checkpointing 'auto' is resolved by the memory plan first "
-                         "(plan.check.resolve_checkpointing); apply none|selective|full")
-    for block in model.layers:
+                         "(plan.check.resolve_checkpointing); apply none|selective|full|full_every_N")
+    for block, each in zip(model.layers, block_policies(policy, len(model.layers))):
         cls = base_class(block)
-        block.__class__ = cls if policy == "none" else _recomputed_class(cls, policy)
+        block.__class__ = cls if each == "none" else _recomputed_class(cls, each)
 
 
-def policy_of(model: nn.Module) -> str:
-    """The policy the model's blocks run under."""
-    block = model.layers[0]
+def _block_policy(block: nn.Module) -> str:
     if not isinstance(block, _Recomputed):
         return "none"
     return "full" if block.recompute_context is None else "selective"
+
+
+def policy_of(model: nn.Module) -> str:
+    """The policy the model's blocks run under (full_every_N: the smallest N that describes it)."""
+    found = [_block_policy(b) for b in model.layers]
+    if len(set(found)) == 1:
+        return found[0]
+    for n in range(2, len(found) + 1):
+        if block_policies(f"full_every_{n}", len(found)) == found:
+            return f"full_every_{n}"
+    raise ValueError(f"the blocks run under no one policy: {found}")

@@ -50,8 +50,9 @@ def keep_one_graph_per_recompute() -> None:
 
 def prepare_for_training(model: nn.Module, checkpointing: str, compile: bool,
                          loss_chunk_tokens: int) -> None:
-    """Apply a resolved checkpointing policy (none|selective|full), compile when asked, and set
-    the loss's chunk size (0 = the full logits), in place: parameter names do not change."""
+    """Apply a resolved checkpointing policy (none|selective|full|full_every_N), compile when
+    asked, and set the loss's chunk size (0 = the full logits), in place: parameter names do
+    not change."""
     apply_activation_checkpointing(model, checkpointing)
     model.loss_chunk_tokens = loss_chunk_tokens
     model.loss_chunk_fn = chunk_loss_and_grad

@@ -78,7 +78,7 @@ def check_memory(cfg: Config, info: D.DistInfo) -> MemoryPlan | None:
 def resolve_checkpointing(cfg: Config, info: D.DistInfo) -> Config:
     """``cfg`` with ``trainer.activation_checkpointing=auto`` replaced by the policy the memory plan
     picks for this device (``estimate.choose_checkpointing``; rank 0 plans, every rank gets its
-    choice); any other value is returned as it is, spelled none|selective|full."""
+    choice); any other value is returned as it is, spelled none|selective|full|full_every_N."""
     policy = checkpointing_of(cfg)
     if policy == "auto":
         choice = None

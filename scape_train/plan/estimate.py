@@ -39,7 +39,7 @@ class MemoryPlan:
     accum: int
     seq_len: int
     precision: str                    # "bf16" | "fp32" (autocast resolved for the device)
-    activation_checkpointing: str     # none | selective | full (auto resolved: choose_checkpointing)
+    activation_checkpointing: str     # none|selective|full|full_every_N (auto: choose_checkpointing)
     rows: list[Row]
     host: list[tuple[str, int]] = field(default_factory=list)
     traced: bool = True               # False: the forward/backward column is the closed-form bound
@@ -83,7 +83,7 @@ def uses_bf16(cfg: Config, device: DeviceSpec) -> bool:
 
 
 def checkpointing_of(cfg: Config) -> str:
-    """``trainer.activation_checkpointing`` as none|selective|full|auto."""
+    """``trainer.activation_checkpointing`` as none|selective|full|full_every_N|auto."""
     from scape_train.models.checkpointing import parse_policy
 
     return parse_policy(cfg.trainer.activation_checkpointing)
@@ -134,9 +134,13 @@ def activation_bound(cfg: Config, vocab: int, bf16: bool, on_gpu: bool, accum: i
     gqa = m.n_kv_heads != m.n_heads
     if m.dropout > 0 or (on_gpu and not bf16 and gqa):          # the math kernel: B x H x T x T
         block += 3 * 4 * h * t
+    from scape_train.models.checkpointing import block_policies
+
     policy = checkpointing_of(cfg)
-    saved = _saved_per_block(policy, d, kv, f, h, e, block)
-    layers = m.n_layers * block if policy == "none" else m.n_layers * saved + block
+    # what each block keeps, plus one block's recompute where any block recomputes
+    layers = sum(_saved_per_block(p, d, kv, f, h, e, block)
+                 for p in block_policies(policy, m.n_layers))
+    layers += 0 if policy == "none" else block
     activations = tokens * (layers + 16 * d) + (e * n_params if bf16 else 0)
     logits, held = _logits_bound(tokens, v, d, e, cfg.trainer.loss_chunk_tokens)
     backward = tokens * 4 * (4 * f + 4 * d)
@@ -210,12 +214,12 @@ def plan_memory(cfg: Config, world_size: int, device: DeviceSpec, trace: bool | 
 def choose_checkpointing(cfg: Config, world_size: int, device: DeviceSpec,
                          trace: bool | str = "auto", label: str = "") -> MemoryPlan:
     """``activation_checkpointing=auto``: the plan of the first policy that fits, in order of
-    recompute -- none, selective, full --, or full's plan when none fits (which the trainer's
-    check then refuses, naming the change that fits). The chosen policy is the plan's
-    ``activation_checkpointing``."""
-    from scape_train.models.checkpointing import POLICIES
+    recompute -- none, selective, full_every_4, full_every_2, full (``checkpointing.LADDER``) --,
+    or full's plan when none fits (which the trainer's check then refuses, naming the change
+    that fits). The chosen policy is the plan's ``activation_checkpointing``."""
+    from scape_train.models.checkpointing import LADDER
 
-    for policy in POLICIES:
+    for policy in LADDER:
         plan = plan_memory(with_checkpointing(cfg, policy), world_size, device, trace, label)
         if plan.fits:
             break

@@ -1,8 +1,9 @@
 """The smallest config change that makes a plan fit, tried in a fixed order and re-planned each.
 
 Order (cheapest in step time first, the global batch always kept):
-    1. trainer.activation_checkpointing=selective, then =full   (selective recomputes each block's
-       elementwise ops; full its whole forward: ~+30% FLOPs)
+    1. trainer.activation_checkpointing=selective, full_every_4, full_every_2, then full
+       (selective recomputes each block's elementwise ops; full its whole forward: ~+30% FLOPs;
+       full_every_N a block in N in full, the others selective)
     2. + halving trainer.micro_batch_size, with gradient accumulation keeping global_batch_size
     3. SCAPE: + optimizer.offload_residuals=true, + optimizer.sharded=true, both; then with halving
 """
@@ -53,10 +54,10 @@ def _halvings(cfg: Config, world: int) -> Iterator[Change]:
 
 def candidates(cfg: Config, world: int) -> Iterator[Change]:
     """Every change to try, smallest first."""
-    from scape_train.models.checkpointing import POLICIES
+    from scape_train.models.checkpointing import stronger_than
 
     current = checkpointing_of(cfg)
-    stronger = POLICIES[POLICIES.index(current) + 1:] if current != "auto" else POLICIES[1:]
+    stronger = stronger_than(current)
     for policy in stronger[:-1]:
         yield [("trainer.activation_checkpointing", policy)]
     # the rest with the most saving policy (auto: already tried at start-up)

@@ -53,9 +53,9 @@ def trace_micro_batch(model_cfg: ModelConfig, vocab_size: int, micro_batch: int,
                       bf16: bool, activation_checkpointing: str | bool, accum: int = 1,
                       on_gpu: bool = False, loss_chunk_tokens: int = 0) -> MicroBatchTrace:
     """Trace ``min(accum, 2)`` micro-batches of ``micro_batch x seq_len`` tokens as the trainer runs
-    them, with the checkpointing policy (none|selective|full; a bool: full or none) and the
-    loss's chunk size the trainer applies. A pure function of its arguments, so it is memoised
-    (experiments that differ only in the optimizer share one trace)."""
+    them, with the checkpointing policy (none|selective|full|full_every_N; a bool: full or
+    none) and the loss's chunk size the trainer applies. A pure function of its arguments, so it
+    is memoised (experiments that differ only in the optimizer share one trace)."""
     from scape_train.models.checkpointing import parse_policy
 
     return _trace(tuple(dataclasses.astuple(model_cfg)), vocab_size, micro_batch, seq_len, bf16,
