@@ -431,16 +431,18 @@ class Trainer:
                     # ``agreed`` is the step count all ranks share (None between a local-step
                     # strategy's sync points): validation, checkpoints and the end happen there.
                     agreed = self.strategy.progress(step)
-                    acting = agreed is not None and (
-                        agreed >= t.max_steps or stop.agreed
-                        or (stop_at is not None and agreed >= stop_at)
-                        or _crossed(done, agreed, t.eval_every)
-                        or _crossed(done, agreed, t.checkpoint_every))
-                    if acting or step % t.log_every == 0:
+                    last = evaluating = saving = stopping = False
+                    if agreed is not None:
+                        last = agreed >= t.max_steps
+                        evaluating = _crossed(done, agreed, t.eval_every) or last
+                        saving = _crossed(done, agreed, t.checkpoint_every) or last
+                        stopping = stop_at is not None and agreed >= stop_at and not last
+                    logging_now = step % t.log_every == 0 or last
+                    if evaluating or saving or stopping or stop.agreed or logging_now:
                         # this step's flags, read now: a non-finite loss stops the run before
-                        # anything is logged or saved
+                        # anything is logged or saved, and a stop request is agreed in time
                         self.settle_flags(stop)
-                    if step % t.log_every == 0 or agreed == t.max_steps:
+                    if logging_now:
                         # the only place the step's device metrics are read (NCCL: no per-step
                         # host syncs)
                         metrics = read_on_host(metrics)
@@ -464,19 +466,18 @@ class Trainer:
                         continue
                     if self.replica is not None:
                         self.replica.end_round(self.train_loader.state_dict(), step)
-                    last = agreed >= t.max_steps
-                    if stop_at is not None and agreed >= stop_at and not last:
+                    if stopping:
                         stop.agreed = True  # same path as a preemption: checkpoint, exit
-                    if _crossed(done, agreed, t.eval_every) or last:
+                    if evaluating:
                         val = evaluate(self.fwd_model, self.val_batches, self.autocast, info, t.eval_batches)
                         logger.log(step, {"val_loss": val})
                         summary["val_loss"] = val
                         window_start = time.perf_counter()  # validation time is not training time
-                    if _crossed(done, agreed, t.checkpoint_every) or last or stop.agreed:
-                        saving = time.perf_counter()
+                    if saving or stop.agreed:
+                        save_start = time.perf_counter()
                         summary["checkpoint"] = str(self.save_checkpoint())
                         window_start = time.perf_counter()
-                        warn_if_save_outlasts_the_agent(window_start - saving)
+                        warn_if_save_outlasts_the_agent(window_start - save_start)
                     done = agreed
                     logger.advance(agreed)
                     if stop.agreed:
