@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 # this script's folder is on sys.path (gpu_check.py runs from it); CHECKS: read by gpu_check.py
-from gpu_measure import CHECKS, REPO, Ctx, check, first_cuda_sync, top_kernels  # noqa: F401
+from gpu_measure import (CHECKS, OPTIONAL, REPO, Ctx, check, first_cuda_sync,  # noqa: F401
+                         top_kernels)
 
 
 def _llama500m(ctx: Ctx, n_layers: int = 16):
@@ -230,6 +231,30 @@ def check_train(ctx: Ctx) -> dict:
     for (name, extra), share in zip(TRAIN_RUNS, (0.5, 0.45, 1.0)):
         out[name] = _train(ctx, name, _train_overrides(ctx, name, extra),
                            (end - time.perf_counter()) * share)
+    return out
+
+
+# (name, overrides on the shipped SCAPE-99 preset): where its MFU may be higher -- half or twice
+# the micro-batch (twice needs selective to fit an H200), the loss's chunk 4x larger or off
+SWEEP_RUNS = (("micro8", ["trainer.micro_batch_size=8"]),
+              ("chunk32k", ["trainer.loss_chunk_tokens=32768"]),
+              ("full_logits", ["trainer.loss_chunk_tokens=0"]),
+              ("micro32_selective", ["trainer.micro_batch_size=32",
+                                     "trainer.activation_checkpointing=selective"]))
+
+
+@check("train_sweep", 300, "llama500m_s99 variants beside the shipped one: micro-batch 8, loss "
+       "chunk 32k or off, micro-batch 32 with selective checkpointing; 20 steps each: tokens/s, "
+       "MFU, memory (which setting the preset should ship)", optional=True)
+def check_sweep(ctx: Ctx) -> dict:
+    end = time.perf_counter() + ctx.limit_s - 5
+    out = {}
+    for i, (name, extra) in enumerate(SWEEP_RUNS):
+        share = 1 / (len(SWEEP_RUNS) - i)           # what is left, split over the runs left
+        out[name] = _train(ctx, name, _train_overrides(ctx, name, extra),
+                           (end - time.perf_counter()) * share)
+    done = {k: v["mfu"] for k, v in out.items() if v.get("completed") and v.get("mfu")}
+    out["best_mfu"] = max(done.items(), key=lambda kv: kv[1]) if done else None
     return out
 
 

@@ -12,11 +12,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CHECKS: dict[str, tuple[str, float, callable]] = {}     # name -> (what, limit_s, fn), in order
+OPTIONAL: set[str] = set()      # run only when named (``--only``): a lease's second call
 
 
-def check(name: str, limit_s: float, what: str):
+def check(name: str, limit_s: float, what: str, optional: bool = False):
     def deco(fn):
         CHECKS[name] = (what, limit_s, fn)
+        if optional:
+            OPTIONAL.add(name)
         return fn
     return deco
 

@@ -32,6 +32,11 @@ def test_dry_run_lists_every_check_with_its_limit_most_valuable_first():
     assert total < backstop <= 360 - 5
     one_gpu = {k: v for k, v in limits.items() if k != "overlap_trace"}   # skipped on one GPU
     assert sum(one_gpu.values()) <= total
+    # the optional sweep runs only when named: a second call of the same lease
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--only",
+                           "train_sweep"], capture_output=True, text=True, timeout=60)
+    sweep = re.match(r"train_sweep\s+(\d+) s", proc.stdout)
+    assert proc.returncode == 0 and sweep and int(sweep.group(1)) <= total, proc.stdout
 
 
 def test_a_check_past_its_limit_is_killed_and_the_next_one_runs(tmp_path):
@@ -77,6 +82,21 @@ def test_smoke_runs_the_cpu_capable_checks(tmp_path):
     assert res["triton_vs_torch"]["ok"], res["triton_vs_torch"]
     assert (tmp_path / "gpu.md").read_text().startswith("# GPU check")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.md", "gpu_check.json"]
+
+
+@pytest.mark.slow
+def test_the_optional_sweep_trains_each_variant_and_names_the_best(tmp_path):
+    proc = subprocess.run([sys.executable, GPU_CHECK, "--smoke", "--out", str(tmp_path),
+                           "--only", "train_sweep", "--deadline", "600",
+                           "--limits", "train_sweep=580"],
+                          capture_output=True, text=True, timeout=660)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweep = json.loads((tmp_path / "gpu_check.json").read_text())["train_sweep"]
+    runs = {k: v for k, v in sweep.items() if k != "best_mfu"}
+    assert list(runs) == ["micro8", "chunk32k", "full_logits", "micro32_selective"]
+    assert all(r["completed"] and r["mfu"] > 0 for r in runs.values()), runs
+    assert sweep["best_mfu"][1] == max(r["mfu"] for r in runs.values())
+    assert "trainer.loss_chunk_tokens=0" in runs["full_logits"]["overrides"]
 
 
 def test_a_synchronizing_call_is_named_by_its_innermost_project_frame():
