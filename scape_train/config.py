@@ -46,6 +46,8 @@ class TrainerConfig:
     # auto (the memory plan picks the least recompute that fits); true/false = full/none.
     # Trade-offs: scape_train/models/checkpointing.py
     activation_checkpointing: str = "none"
+    attention_backend: str = "auto"   # auto | cudnn | flash | efficient | math: the SDPA kernel
+                                      # tried first (models/attention_backend.py)
     loss_chunk_tokens: int = 8192     # micro-batches of more tokens get the loss chunk by chunk,
                                       # never all logits at once (models/loss.py); 0 = never
     seed: int = 1337                  # model init and dropout (data order: data.seed)
@@ -213,6 +215,7 @@ def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
         if not cond:
             problems.append(msg)
 
+    from scape_train.models.attention_backend import parse_attention_backend
     from scape_train.models.checkpointing import parse_policy
     from scape_train.models.training import parse_compile
 
@@ -248,7 +251,8 @@ def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
            f"logging.wandb.mode must be online|offline|disabled, got {cfg.logging.wandb.mode!r}")
     _check(cfg.resume == "none" or cfg.resume == "auto" or len(cfg.resume) > 0,
            "resume must be none, auto or a checkpoint directory")
-    for parse, value in ((parse_policy, t.activation_checkpointing), (parse_compile, t.compile)):
+    for parse, value in ((parse_policy, t.activation_checkpointing), (parse_compile, t.compile),
+                         (parse_attention_backend, t.attention_backend)):
         try:
             parse(value)
         except ValueError as exc:

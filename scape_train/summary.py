@@ -119,6 +119,7 @@ def startup_summary(trainer: Any) -> dict[str, Any]:
         "optimizer": _optimizer_line(cfg),
         "run_dir": str(trainer.run_dir),
     }
+    out["attention"] = _attention_line(trainer)
     for key, line in (("density", _density_line(cfg)), ("strategy", _strategy_line(cfg)),
                       ("memory_plan", memory_plan_estimate(trainer))):
         if line:
@@ -132,6 +133,19 @@ def startup_summary(trainer: Any) -> dict[str, Any]:
     return out
 
 
+def _attention_line(trainer: Any) -> str:
+    """The SDPA kernel the training forward takes under ``trainer.attention_backend``."""
+    from scape_train.models.attention_backend import attention_backend, chosen_kernel
+
+    m, t, info = trainer.model.cfg, trainer.cfg.trainer, trainer.info
+    bf16 = resolved_precision(t.precision, info.device) == "bf16"
+    with attention_backend(t.attention_backend):
+        kernel = chosen_kernel(m.n_heads, m.n_kv_heads or m.n_heads, m.d_model // m.n_heads,
+                               trainer.cfg.data.seq_len, info.device,
+                               torch.bfloat16 if bf16 else torch.float32)
+    return f"{kernel} (trainer.attention_backend={t.attention_backend})"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     lines = [f"scape_train: {s['model']}: {_human(s['params'])} parameters "
              f"({_human(s['params_non_embedding'])} without embeddings)"]
@@ -143,7 +157,7 @@ def format_summary(s: dict[str, Any]) -> str:
     row("batch", f"{s['micro_batch_size']} seqs x {s['seq_len']} tokens x {s['grad_accum']} "
                  f"accumulation x {s['world_size']} ranks = {s['tokens_per_step']:,} tokens/step")
     row("optimizer", s["optimizer"])
-    for key in ("density", "strategy", "init_from", "resumed_at_step", "memory_plan"):
+    for key in ("attention", "density", "strategy", "init_from", "resumed_at_step", "memory_plan"):
         if key in s:
             row(key.replace("_", " "), str(s[key]))
     row("run dir", s["run_dir"])

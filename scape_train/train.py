@@ -31,6 +31,7 @@ from scape_train.config import Config, ConfigError, grad_accum_steps, validate
 from scape_train.host_to_device import upload
 from scape_train.metrics import (MetricsLogger, StepTimer, memory_metrics, peak_flops,
                                  plot_loss_curve, read_on_host)
+from scape_train.models.attention_backend import attention_backend
 from scape_train.plan.check import check_memory, resolve_checkpointing
 from scape_train.preemption import StopSignal, warn_if_save_outlasts_the_agent
 from scape_train.rng import get_rng_state, seed_everything, set_rng_state
@@ -421,7 +422,9 @@ class Trainer:
         summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         window_start, window_steps = time.perf_counter(), 0
         try:
-            with StopSignal() as stop:
+            # the SDPA kernel order in force where the blocks run (and compile: inductor picks
+            # the kernel when it traces)
+            with StopSignal() as stop, attention_backend(t.attention_backend):
                 done = self.strategy.progress(self.state.step) or 0
                 stop_at = done + t.stop_after if t.stop_after else None
                 while done < t.max_steps:

@@ -93,10 +93,13 @@ def test_the_optional_sweep_trains_each_variant_and_names_the_best(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sweep = json.loads((tmp_path / "gpu_check.json").read_text())["train_sweep"]
     runs = {k: v for k, v in sweep.items() if k != "best_mfu"}
-    assert list(runs) == ["micro8", "chunk32k", "full_logits", "micro32_selective"]
+    assert list(runs) == ["cudnn_attention", "micro8", "chunk32k", "full_logits"]
     assert all(r["completed"] and r["mfu"] > 0 for r in runs.values()), runs
     assert sweep["best_mfu"][1] == max(r["mfu"] for r in runs.values())
     assert "trainer.loss_chunk_tokens=0" in runs["full_logits"]["overrides"]
+    # each run says which attention kernel it trained with (the CPU's: its flash kernel)
+    assert any("flash_attention (trainer.attention_backend=cudnn)" in line
+               for line in runs["cudnn_attention"]["chosen"]), runs["cudnn_attention"]["chosen"]
 
 
 def test_a_synchronizing_call_is_named_by_its_innermost_project_frame():

@@ -41,12 +41,14 @@ def test_summary_figures_and_wandb(tmp_path, tok, capsys, monkeypatch):
     assert "scape, lr 0.003" in s["optimizer"] and s["run_dir"] == str(tmp_path / "run")
     assert "strategy" not in s
     assert s["memory_plan"] == trainer.memory_plan.verdict() and s["memory_plan"].endswith("fits")
+    assert s["attention"] == "flash_attention (trainer.attention_backend=auto)"   # the CPU's
 
     trainer.fit()
     out = capsys.readouterr().out
     assert out.count("scape_train: ") == 1
     assert "4 seqs x 64 tokens x 2 accumulation x 1 ranks = 512 tokens/step" in out
     assert f"run dir     {tmp_path / 'run'}" in out
+    assert "attention   flash_attention (trainer.attention_backend=auto)" in out
     # recorded in the offline W&B run (config key `startup`, summary keys `startup/*`)
     # (W&B's service may still be flushing the file when finish() returns: wait for it)
     (record,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")

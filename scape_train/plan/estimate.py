@@ -19,7 +19,7 @@ from scape_train.config import Config, grad_accum_steps
 from scape_train.plan.devices import DeviceSpec, GiB
 from scape_train.plan.optimizer_memory import F32, OptimizerMemory, optimizer_memory
 from scape_train.plan.tracker import CUDA_BLOCK
-from scape_train.plan.trace import MicroBatchTrace
+from scape_train.plan.trace import MicroBatchTrace, math_attention
 
 PHASES = ("forward/backward", "optimizer step", "checkpoint")
 
@@ -122,6 +122,7 @@ def activation_bound(cfg: Config, vocab: int, bf16: bool, on_gpu: bool, accum: i
     temporaries, and the autocast weight copies. ``tests/test_plan.py`` checks it against the
     trace."""
     from scape_train.models.build import resolve_config
+    from scape_train.models.checkpointing import block_policies
     from scape_train.models.layers import padded_vocab
 
     m = resolve_config(cfg.model, vocab)
@@ -131,11 +132,8 @@ def activation_bound(cfg: Config, vocab: int, bf16: bool, on_gpu: bool, accum: i
     kv = m.n_kv_heads * (d // h)
     v = padded_vocab(m)
     block = 32 * d + e * (16 * d + 7 * kv + 4 * f) + 4 * h       # bytes per token, forward outputs
-    gqa = m.n_kv_heads != m.n_heads
-    if m.dropout > 0 or (on_gpu and not bf16 and gqa):          # the math kernel: B x H x T x T
-        block += 3 * 4 * h * t
-    from scape_train.models.checkpointing import block_policies
-
+    if m.dropout > 0 or math_attention(m, on_gpu, bf16, cfg.trainer.attention_backend):
+        block += 3 * 4 * h * t                                   # the math kernel: B x H x T x T
     policy = checkpointing_of(cfg)
     # what each block keeps, plus one block's recompute where any block recomputes
     layers = sum(_saved_per_block(p, d, kv, f, h, e, block)
@@ -207,7 +205,8 @@ def plan_memory(cfg: Config, world_size: int, device: DeviceSpec, trace: bool | 
 
     fb = trace_micro_batch(cfg.model, vocab, t.micro_batch_size, cfg.data.seq_len, bf16=bf16,
                            activation_checkpointing=policy, accum=accum, on_gpu=device.on_gpu,
-                           loss_chunk_tokens=t.loss_chunk_tokens)
+                           loss_chunk_tokens=t.loss_chunk_tokens,
+                           attention_backend=t.attention_backend)
     return replace(plan, rows=_rows(fb.params, opt, fb, bf16), traced=True)
 
 

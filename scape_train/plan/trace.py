@@ -44,27 +44,34 @@ class MicroBatchTrace:
     ops: int                    # aten ops traced (a cost figure)
 
 
-def _math_attention_needed(model_cfg: ModelConfig, on_gpu: bool, bf16: bool) -> bool:
+def math_attention(model_cfg: ModelConfig, on_gpu: bool, bf16: bool,
+                   attention_backend: str = "auto") -> bool:
+    """Does the GPU's attention run the unfused math kernel (B x H x T x T scores)? When asked
+    for (trainer.attention_backend=math), or in fp32 with grouped K/V heads, which no fused GPU
+    kernel takes."""
     gqa = (model_cfg.n_kv_heads or model_cfg.n_heads) != model_cfg.n_heads
-    return on_gpu and not bf16 and gqa
+    return on_gpu and (attention_backend == "math" or (not bf16 and gqa))
 
 
 def trace_micro_batch(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, seq_len: int, *,
                       bf16: bool, activation_checkpointing: str | bool, accum: int = 1,
-                      on_gpu: bool = False, loss_chunk_tokens: int = 0) -> MicroBatchTrace:
+                      on_gpu: bool = False, loss_chunk_tokens: int = 0,
+                      attention_backend: str = "auto") -> MicroBatchTrace:
     """Trace ``min(accum, 2)`` micro-batches of ``micro_batch x seq_len`` tokens as the trainer runs
     them, with the checkpointing policy (none|selective|full|full_every_N; a bool: full or
-    none) and the loss's chunk size the trainer applies. A pure function of its arguments, so it
-    is memoised (experiments that differ only in the optimizer share one trace)."""
+    none), the loss's chunk size and the attention kernel the trainer applies. A pure function of
+    its arguments, so it is memoised (experiments that differ only in the optimizer share one trace)."""
     from scape_train.models.checkpointing import parse_policy
 
     return _trace(tuple(dataclasses.astuple(model_cfg)), vocab_size, micro_batch, seq_len, bf16,
-                  parse_policy(activation_checkpointing), min(accum, 2), on_gpu, loss_chunk_tokens)
+                  parse_policy(activation_checkpointing), min(accum, 2), on_gpu, loss_chunk_tokens,
+                  math_attention(model_cfg, on_gpu, bf16, attention_backend))
 
 
 @functools.lru_cache(maxsize=32)
 def _trace(model_fields: tuple, vocab_size: int, micro_batch: int, seq_len: int, bf16: bool,
-           policy: str, accum: int, on_gpu: bool, loss_chunk_tokens: int) -> MicroBatchTrace:
+           policy: str, accum: int, on_gpu: bool, loss_chunk_tokens: int,
+           math: bool) -> MicroBatchTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from scape_train.models.build import ARCHS, resolve_config
@@ -73,7 +80,7 @@ def _trace(model_fields: tuple, vocab_size: int, micro_batch: int, seq_len: int,
     model_cfg = ModelConfig(*model_fields)
     tracker = LiveBytes(round_to=CUDA_BLOCK if on_gpu else 1)
     attention = contextlib.nullcontext()
-    if _math_attention_needed(model_cfg, on_gpu, bf16):
+    if math:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         attention = sdpa_kernel(SDPBackend.MATH)
