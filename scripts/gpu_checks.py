@@ -245,7 +245,7 @@ SWEEP_RUNS = (("cudnn_attention", ["trainer.attention_backend=cudnn"]),
               ("full_logits", ["trainer.loss_chunk_tokens=0"]))
 
 
-@check("train_sweep", 300, "llama500m_s99 variants beside the shipped one: cuDNN attention, "
+@check("train_sweep", 280, "llama500m_s99 variants beside the shipped one: cuDNN attention, "
        "micro-batch 8, loss chunk 32k or off; 20 steps each: tokens/s, MFU, memory, the "
        "attention kernel (which setting the preset should ship)", optional=True)
 def check_sweep(ctx: Ctx) -> dict:
@@ -290,15 +290,16 @@ def _compose(overrides: list[str]):
         return to_object(compose(config_name="config", overrides=overrides))
 
 
-def _bare_loop(ctx: Ctx, cfg, steps: int) -> dict:
+def _bare_loop(ctx: Ctx, cfg, steps: int, per_block: bool = False) -> dict:
     """The trainer's model and optimizer in nanoGPT's loop: random tokens already on the device,
-    the whole model compiled, forward/backward under autocast, the optimizer step; nothing else
-    (no loader, metrics, hooks or loss agreement)."""
+    the whole model compiled (``per_block``: each block and the loss, as the trainer compiles
+    them), forward/backward under autocast, the optimizer step; nothing else (no loader,
+    metrics, hooks or loss agreement)."""
     import torch
 
     from scape_train.metrics import peak_flops
     from scape_train.models import build_model
-    from scape_train.models.training import compile_enabled
+    from scape_train.models.training import compile_enabled, prepare_for_training
     from scape_train.optim import build_optimizer
     from scape_train.train import autocast_context
 
@@ -308,7 +309,10 @@ def _bare_loop(ctx: Ctx, cfg, steps: int) -> dict:
     model = build_model(cfg.model, vocab_size=vocab, device=ctx.device)
     model.loss_chunk_tokens = t.loss_chunk_tokens        # the trainer's loss
     strategy = build_optimizer(cfg.optimizer, model, total_steps=steps)
-    fwd = torch.compile(model) if compile_enabled(t.compile, ctx.device) else model
+    compiled = compile_enabled(t.compile, ctx.device)
+    fwd = torch.compile(model) if compiled and not per_block else model
+    if per_block:
+        prepare_for_training(model, "none", compiled, t.loss_chunk_tokens)
     autocast = autocast_context(cfg, ctx.device)
     shape = (t.micro_batch_size, cfg.data.seq_len)
     x = torch.randint(vocab, shape, device=ctx.device)
@@ -345,6 +349,17 @@ def check_trainer_overhead(ctx: Ctx) -> dict:
     if trainer.get("tokens_per_s"):
         out["trainer_over_bare"] = trainer["tokens_per_s"] / bare["tokens_per_s"]
     return out
+
+
+@check("compile_granularity", 55, "GPT-2 124M in the bare loop compiled whole (nanoGPT) vs block "
+       "by block with the loss (the trainer's way): what the granularity costs, apart from the "
+       "trainer's loop", optional=True)
+def check_compile_granularity(ctx: Ctx) -> dict:
+    cfg = _compose(_gpt2_overrides(ctx, "gpt2"))
+    whole = _bare_loop(ctx, cfg, _steps(ctx) * 2)
+    blocks = _bare_loop(ctx, cfg, _steps(ctx) * 2, per_block=True)
+    return {"whole_model": whole, "per_block": blocks,
+            "per_block_over_whole": blocks["tokens_per_s"] / whole["tokens_per_s"]}
 
 
 @check("memory_plan", 20, "the memory plan of the training runs vs their max_memory_allocated")

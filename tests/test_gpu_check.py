@@ -32,11 +32,14 @@ def test_dry_run_lists_every_check_with_its_limit_most_valuable_first():
     assert total < backstop <= 360 - 5
     one_gpu = {k: v for k, v in limits.items() if k != "overlap_trace"}   # skipped on one GPU
     assert sum(one_gpu.values()) <= total
-    # the optional sweep runs only when named: a second call of the same lease
+    # the optional checks run only when named: together, a second call of the same lease
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--only",
-                           "train_sweep"], capture_output=True, text=True, timeout=60)
-    sweep = re.match(r"train_sweep\s+(\d+) s", proc.stdout)
-    assert proc.returncode == 0 and sweep and int(sweep.group(1)) <= total, proc.stdout
+                           "train_sweep,compile_granularity"], capture_output=True, text=True,
+                          timeout=60)
+    optional = dict(re.findall(r"^(\S+)\s+(\d+) s", proc.stdout, flags=re.M))
+    assert proc.returncode == 0 and set(optional) == {"train_sweep", "compile_granularity",
+                                                       "deadline"}, proc.stdout
+    assert sum(int(v) for k, v in optional.items() if k != "deadline") <= total
 
 
 def test_a_check_past_its_limit_is_killed_and_the_next_one_runs(tmp_path):
@@ -85,13 +88,15 @@ def test_smoke_runs_the_cpu_capable_checks(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_optional_sweep_trains_each_variant_and_names_the_best(tmp_path):
+def test_the_optional_checks_train_each_variant_and_name_the_best(tmp_path):
     proc = subprocess.run([sys.executable, GPU_CHECK, "--smoke", "--out", str(tmp_path),
-                           "--only", "train_sweep", "--deadline", "600",
-                           "--limits", "train_sweep=580"],
-                          capture_output=True, text=True, timeout=660)
+                           "--only", "train_sweep,compile_granularity", "--deadline", "700",
+                           "--limits", "train_sweep=580,compile_granularity=100"],
+                          capture_output=True, text=True, timeout=760)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sweep = json.loads((tmp_path / "gpu_check.json").read_text())["train_sweep"]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert res["compile_granularity"]["per_block_over_whole"] > 0, res["compile_granularity"]
+    sweep = res["train_sweep"]
     runs = {k: v for k, v in sweep.items() if k != "best_mfu"}
     assert list(runs) == ["cudnn_attention", "micro8", "chunk32k", "full_logits"]
     assert all(r["completed"] and r["mfu"] > 0 for r in runs.values()), runs
