@@ -65,7 +65,9 @@ def chosen_kernel(n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int,
     its shapes, no compute): what the trainer logs, so a run says which one it trained with."""
     from torch.nn.attention import SDPBackend
 
-    q = torch.empty(1, n_heads, seq_len, head_dim, device=device, dtype=dtype)
-    kv = torch.empty(1, n_kv_heads, seq_len, head_dim, device=device, dtype=dtype)
+    # requiring grad, as in training: some kernels take a shape forward-only
+    q = torch.empty(1, n_heads, seq_len, head_dim, device=device, dtype=dtype, requires_grad=True)
+    kv = torch.empty(1, n_kv_heads, seq_len, head_dim, device=device, dtype=dtype,
+                     requires_grad=True)
     choice = torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=n_kv_heads != n_heads)
     return SDPBackend(choice).name.lower()
