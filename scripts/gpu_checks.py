@@ -237,7 +237,7 @@ def check_train(ctx: Ctx) -> dict:
 
 
 # (name, overrides on the shipped SCAPE-99 preset): where its MFU may be higher -- cuDNN's fused
-# attention (Hopper's fastest SDPA kernel in the torch wheels; torch tries it last), half the
+# attention (on Hopper the kernel to try against FlashAttention-2; torch tries it last), half the
 # micro-batch, the loss's chunk 4x larger or off
 SWEEP_RUNS = (("cudnn_attention", ["trainer.attention_backend=cudnn"]),
               ("micro8", ["trainer.micro_batch_size=8"]),

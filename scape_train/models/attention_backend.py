@@ -1,7 +1,7 @@
 """``trainer.attention_backend``: which scaled-dot-product-attention kernel the trainer tries first.
 
     auto        torch's own order (flash, memory-efficient, math; cuDNN last, so never on CUDA)
-    cudnn       cuDNN's fused attention first (Hopper's fastest SDPA kernel in the torch wheels)
+    cudnn       cuDNN's fused attention first (on Hopper, the kernel to try against FlashAttention-2)
     flash       FlashAttention-2 first
     efficient   the memory-efficient kernel first
     math        the unfused reference (for debugging: it materialises B x H x T x T)
