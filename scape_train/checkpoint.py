@@ -80,6 +80,13 @@ def _load_tensors(path: Path, mmap: bool = False) -> Any:
             f"checkpoints this trainer wrote. ({str(exc).splitlines()[0]})") from exc
 
 
+def _read_manifest(path: Path) -> dict:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from exc
+
+
 def _check_digest(path: Path, name: str, files: dict[str, str]) -> None:
     if name not in files:
         raise CheckpointError(f"{path}: the manifest lists no {name}")
@@ -191,10 +198,7 @@ class CheckpointManager:
         """The manifest of a checkpoint whose files all exist and match their checksums (only
         ``names`` are hashed when given); raises otherwise."""
         path = Path(path)
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: unreadable manifest ({exc})") from exc
+        manifest = _read_manifest(path)
         files = manifest.get("files", {})
         for name in files:
             if not (path / name).exists():
@@ -230,8 +234,7 @@ class CheckpointManager:
         for path in (self.root / name for name in reversed(names)):
             ok = True
             try:
-                manifest = json.loads((path / MANIFEST).read_text())
-                self.verify(path, self._reads(manifest))
+                self.verify(path, self._reads(_read_manifest(path)))
             except (OSError, ValueError, KeyError, CheckpointError) as exc:
                 log.warning("skipping checkpoint %s on rank %d: %s", path, self.info.rank, exc)
                 ok = False
@@ -250,10 +253,7 @@ class CheckpointManager:
         rank 0's; ``resharded`` tells the caller so it can reset per-rank parts.
         """
         path = Path(path)
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: unreadable manifest ({exc})") from exc
+        manifest = _read_manifest(path)
         files = manifest.get("files", {})
         saved_world = manifest["world_size"]
         src = self.info.rank if self.info.rank < saved_world else 0
