@@ -345,13 +345,15 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
                "n/a" if t["best"] is None else f"{t['best']:g}" + (
                    " (at the grid's edge after its extensions)" if t["at_edge"] else ""))
         lines.append(f"| {t['label']} (`{name}`) | {pts} | {win} |")
-    lines += ["", "| setting | steps | tokens per parameter | seeds | gap to AdamS | 95% interval |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| setting | steps | tokens per parameter | seeds | gap to AdamS | 95% interval "
+              "| per seed |", "|---|---|---|---|---|---|---|"]
     for name, per in s["gaps"].items():
         for g in sorted(per.values(), key=lambda g: g["steps"]):
             ci = "n/a" if g["lo"] is None else f"[{g['lo']:+.4f}, {g['hi']:+.4f}]"
+            seeds = ", ".join(f"{k}: {d:+.4f}" for k, d in zip(g["seeds"], g["diffs"]))
             lines.append(f"| {s['tune'][name]['label']} (`{name}`) | {g['steps']:,} | "
-                         f"{g['tokens_per_param']:.1f} | {g['n']} | {g['mean']:+.4f} | {ci} |")
+                         f"{g['tokens_per_param']:.1f} | {g['n']} | {g['mean']:+.4f} | {ci} "
+                         f"| {seeds} |")
     f = s["fit"]
     if f["ok"]:
         rng = f.get("steps_margin_range") or [None, None]

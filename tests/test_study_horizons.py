@@ -160,6 +160,9 @@ def test_summary_gaps_tokens_per_param_and_a_power_law_fit(tmp_path):
     assert text.startswith(sh.H_BEGIN) and text.rstrip().endswith(sh.H_END)
     assert "| SCAPE-99 (fp32, geometric 10%) (`scape99`) | 30,000 | 30.0 | 3 |" in text
     assert "b = 0.500 [" in text and "2500 tokens per parameter, 2,500,000 steps" in text
+    # each seed's own gap, so a horizon with seed 0 alone reads beside the paired ones
+    d = law[30000]
+    assert f"| 0: {d - 0.01:+.4f}, 1: {d:+.4f}, 2: {d + 0.01:+.4f} |" in text
     # JSON in, markdown and figure out
     payload = sh.write_json(results, p, tmp_path / "figures" / "h.json", PARAMS)
     report = tmp_path / "quality.md"
