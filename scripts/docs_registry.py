@@ -123,7 +123,8 @@ SECTIONS: list[Section] = [
     Section("readme_results", "README.md", "scripts/readme_figures.py",
             (F + "bench_speed_summary.json", F + "bench_volume.json", F + "quality_study.json",
              F + "scape99_search.json", F + "bench_cuda_bytes.json", F + "bench_device_ops.json",
-             F + "bench_checkpoint.json"), _call("readme_figures", "results")),
+             F + "bench_checkpoint.json", F + "scape99_horizons.json"),
+            _call("readme_figures", "results")),
 ]
 
 

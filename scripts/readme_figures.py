@@ -51,6 +51,17 @@ def per_step(search: dict) -> dict:
             "ref_kb": ref["steady_step_bytes"] / 1e3, "best": best}
 
 
+def horizon_trend(horizons: dict) -> str:
+    """SCAPE-99's gap at each horizon of the horizon study (lr tuned at its tuning horizon)."""
+    s = horizons["summary"]
+    per = sorted(s["gaps"].get(REFERENCE, {}).values(), key=lambda g: g["steps"])
+    parts = [f"{g['mean']:+.3f}" + (f" [{g['lo']:+.3f}, {g['hi']:+.3f}]" if g["lo"] is not None
+                                     else "") + f" at {g['steps']:,} steps "
+             f"({g['tokens_per_param']:.1f} tokens/param, {g['n']} seed{'s' * (g['n'] > 1)})"
+             for g in per]
+    return ", ".join(parts) or "not run yet"
+
+
 def headline(speed: dict, vol: list, study: dict, search: dict) -> str:
     s = speedups(speed)
     row, frac = recommended(search)
@@ -73,7 +84,7 @@ def headline(speed: dict, vol: list, study: dict, search: dict) -> str:
 
 
 def results(speed: dict, vol: list, study: dict, search: dict, cuda: dict, ops: dict,
-            ckpt: dict) -> str:
+            ckpt: dict, horizons: dict) -> str:
     s = speedups(speed)
     g90, g99 = gap(study, "scape90", 3000), gap(study, "scape99", 3000)
     row, frac = recommended(search)
@@ -98,6 +109,9 @@ def results(speed: dict, vol: list, study: dict, search: dict, cuda: dict, ops: 
         f"| the same at SCAPE-99's bytes per step ({step['ref_kb']:.1f} KB after its warm-up) | "
         f"best: {step['best']['label']}, {step['best']['gap_seed0']:+.3f} (seed 0) | "
         "[quality.md](docs/quality.md) |",
+        f"| SCAPE-99's gap against the horizon, lr tuned at "
+        f"{horizons['summary']['tune_steps']:,} steps | {horizon_trend(horizons)} | "
+        "[quality.md](docs/quality.md#the-gap-against-tokens-per-parameter) |",
         f"| bytes moved per parameter by the optimizer step (CUDA path, Triton, d 0.1) | "
         f"{b['CUDA path, Triton, replicated, d=0.1']['bytes_per_param']:.1f} (dense AdamS "
         f"{b[DENSE_ADAMS_CUDA]['bytes_per_param']:.0f}) | "

@@ -48,6 +48,20 @@ def test_a_generated_section_equals_its_rendering_from_the_committed_json(sectio
         f"{', '.join(section.data)}; run `python scripts/doc_sections.py {section.name}`")
 
 
+def test_the_readme_reads_the_horizon_trend_from_the_study_summary():
+    import readme_figures
+
+    def g(steps, n, lo=None, hi=None):
+        return {"steps": steps, "n": n, "mean": 0.1, "lo": lo, "hi": hi,
+                "tokens_per_param": steps / 900}
+    gaps = {"10000": g(10000, 3, 0.0, 0.2), "3000": g(3000, 3, 0.05, 0.15), "30000": g(30000, 1)}
+    trend = readme_figures.horizon_trend({"summary": {"gaps": {"scape99": gaps}}})
+    assert trend == ("+0.100 [+0.050, +0.150] at 3,000 steps (3.3 tokens/param, 3 seeds), "
+                     "+0.100 [+0.000, +0.200] at 10,000 steps (11.1 tokens/param, 3 seeds), "
+                     "+0.100 at 30,000 steps (33.3 tokens/param, 1 seed)")
+    assert readme_figures.horizon_trend({"summary": {"gaps": {}}}) == "not run yet"
+
+
 def test_every_marked_section_is_registered_once():
     names = [s.name for s in SECTIONS]
     assert len(names) == len(set(names)) and len(names) >= 10
