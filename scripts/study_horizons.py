@@ -384,6 +384,8 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
 
 
 def plot_horizons(summary: dict, path: Path) -> None:
+    from matplotlib.ticker import FuncFormatter
+
     fig, ax = s99._axes((7.5, 4.5))
     for i, (name, per) in enumerate(summary["gaps"].items()):
         gs = sorted(per.values(), key=lambda g: g["steps"])
@@ -404,6 +406,9 @@ def plot_horizons(summary: dict, path: Path) -> None:
     ax.axhline(summary["margin"], ls=":", color="gray", label=f"margin {summary['margin']}")
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")     # 3, 10, 30 rather than 3x10^0
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
     ax.set(xlabel="tokens per parameter (log)", ylabel="final val loss gap to dense AdamS",
            title="Gap against training length, 95% t-intervals")
     sq._save_figure(fig, [ax], path)
