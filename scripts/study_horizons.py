@@ -316,9 +316,34 @@ def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> di
         front.append({"candidate": name, "label": tune[name]["label"], "lr": lr,
                       "final_val_loss": run["final_val_loss"], "sent_bytes": run["sent_bytes"],
                       "steady_step_bytes": step_bytes, "steady_source": source})
+    held_out = {}
+    for name in (BASELINE, GAP_SETTING):
+        lr = tune.get(name, {}).get("best")
+        for r in results.values():
+            if (lr is not None and r["candidate"] == name and r["seed"] == 0
+                    and math.isclose(r["lr"], lr) and r["final_val_loss"] is not None):
+                g = held_out_gap(r)
+                if g is not None:
+                    held_out.setdefault(str(r["steps"]), {})[name] = g
     return {"params": params, "tokens_per_step": step_tokens, "tune_steps": p.tune_steps,
             "horizons": list(p.horizons), "margin": MARGIN, "tune": tune, "gaps": gaps,
-            "fit": fit, "frontier": front}
+            "fit": fit, "frontier": front, "held_out": held_out}
+
+
+def held_out_gap(run: dict, tail: float = 0.2) -> dict | None:
+    """The final validation loss minus the mean training loss logged over the run's last
+    ``tail`` of steps, with that mean's standard error: near 0 while the model generalizes,
+    growing once it fits the repeated text (the long horizons make several passes)."""
+    series = run.get("train_loss") or []
+    if isinstance(series, str):
+        series = json.loads(series)
+    tail_losses = [v for step, v in series if step > (1 - tail) * run["steps"]]
+    if len(tail_losses) < 2:
+        return None
+    mean = sum(tail_losses) / len(tail_losses)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in tail_losses) / (len(tail_losses) - 1))
+    return {"gap": run["final_val_loss"] - mean, "se": sd / math.sqrt(len(tail_losses)),
+            "logs": len(tail_losses)}
 
 
 def _num(v, fmt: str) -> str:
@@ -366,6 +391,18 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
                   f"{f['b_hi']:.3f}]. It reaches {s['margin']} at {reach}."]
     else:
         lines += ["", f"No power law is fitted to SCAPE-99's gap: {f['why']}."]
+    held = s.get("held_out", {})
+    if held:
+        names = [n for n in (BASELINE, GAP_SETTING) if n in s["tune"]]
+        lines += ["", "Validation minus training loss at the end of each seed-0 run (the training "
+                  "loss averaged over the logs of the run's last 20% of steps, ± its standard "
+                  "error): near 0 while the model generalizes, growing once it fits the repeated "
+                  "text.", "", "| steps | " + " | ".join(s["tune"][n]["label"] for n in names)
+                  + " |", "|---|" + "---|" * len(names)]
+        for steps in sorted(held, key=int):
+            cells = [f"{held[steps][n]['gap']:+.3f} ± {held[steps][n]['se']:.3f}"
+                     if n in held[steps] else "n/a" for n in names]
+            lines.append(f"| {int(steps):,} | " + " | ".join(cells) + " |")
     if s["frontier"]:
         lines += ["", f"At {s['tune_steps']:,} steps (seed 0, tuned lr), loss against the bytes "
                   "a rank sent, in total and per steady step (after the density warm-up; a "

@@ -175,6 +175,26 @@ def test_summary_gaps_tokens_per_param_and_a_power_law_fit(tmp_path):
     assert (tmp_path / "figures" / "scape99_horizons.png").stat().st_size > 0
 
 
+def test_held_out_gap_reads_the_last_fifth_of_the_training_logs():
+    run = {"steps": 1000, "final_val_loss": 3.0,
+           "train_loss": [[s, 9.0 if s <= 800 else (2.8 if s % 200 else 2.6)]
+                          for s in range(100, 1001, 100)]}
+    g = sh.held_out_gap(run)            # the logs at 900 and 1000: 2.8 and 2.6
+    assert g["logs"] == 2 and abs(g["gap"] - 0.3) < 1e-12
+    assert abs(g["se"] - math.sqrt(0.02) / math.sqrt(2)) < 1e-12
+    assert sh.held_out_gap({**run, "train_loss": json.dumps(run["train_loss"])}) == g
+    assert sh.held_out_gap({**run, "train_loss": [[1000, 2.0]]}) is None   # no spread to read
+    # the summary reads seed 0's runs at the tuned lr, and the page shows them per horizon
+    results, p = _with_horizons({3000: [0.2, 0.2, 0.2], 10000: [0.1, 0.1, 0.1]})
+    for r in results.values():
+        r["train_loss"] = [[r["steps"], r["final_val_loss"] - 0.05],
+                           [r["steps"] - 1, r["final_val_loss"] - 0.15]]
+    s = sh.horizon_summary(results, PARAMS, TOKENS, p)
+    assert sorted(s["held_out"]) == ["10000", "3000"]
+    assert abs(s["held_out"]["3000"]["scape99"]["gap"] - 0.1) < 1e-12
+    assert "| 10,000 | +0.100 ± 0.050 | +0.100 ± 0.050 |" in sh.render_horizons(s, "figures")
+
+
 def test_no_trend_is_read_from_two_horizons_or_a_closed_gap():
     results, p = _with_horizons({3000: [0.3, 0.31, 0.29], 10000: [0.2, 0.21, 0.19]})
     f = sh.horizon_summary(results, PARAMS, TOKENS, p)["fit"]
