@@ -342,8 +342,8 @@ def held_out_gap(run: dict, tail: float = 0.2) -> dict | None:
         return None
     mean = sum(tail_losses) / len(tail_losses)
     sd = math.sqrt(sum((v - mean) ** 2 for v in tail_losses) / (len(tail_losses) - 1))
-    return {"gap": run["final_val_loss"] - mean, "se": sd / math.sqrt(len(tail_losses)),
-            "logs": len(tail_losses)}
+    return {"gap": run["final_val_loss"] - mean, "train": mean,
+            "se": sd / math.sqrt(len(tail_losses)), "logs": len(tail_losses)}
 
 
 def _num(v, fmt: str) -> str:
@@ -397,12 +397,25 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
         lines += ["", "Validation minus training loss at the end of each seed-0 run (the training "
                   "loss averaged over the logs of the run's last 20% of steps, ± its standard "
                   "error): near 0 while the model generalizes, growing once it fits the repeated "
-                  "text.", "", "| steps | " + " | ".join(s["tune"][n]["label"] for n in names)
-                  + " |", "|---|" + "---|" * len(names)]
+                  "text; and the gap to dense AdamS on that training loss beside the gap on "
+                  "validation loss.", "",
+                  "| steps | " + " | ".join(f"{s['tune'][n]['label']}: validation - training"
+                                           for n in names)
+                  + " | gap on training loss | gap on validation loss |",
+                  "|---|" + "---|" * (len(names) + 2)]
         for steps in sorted(held, key=int):
-            cells = [f"{held[steps][n]['gap']:+.3f} ± {held[steps][n]['se']:.3f}"
-                     if n in held[steps] else "n/a" for n in names]
-            lines.append(f"| {int(steps):,} | " + " | ".join(cells) + " |")
+            h = held[steps]
+            cells = [f"{h[n]['gap']:+.3f} ± {h[n]['se']:.3f}" if n in h else "n/a"
+                     for n in names]
+            both = BASELINE in h and GAP_SETTING in h
+            train_gap = (f"{h[GAP_SETTING]['train'] - h[BASELINE]['train']:+.3f} ± "
+                         f"{math.hypot(h[GAP_SETTING]['se'], h[BASELINE]['se']):.3f}"
+                         if both else "n/a")
+            g = s["gaps"].get(GAP_SETTING, {}).get(steps)
+            val_gap = "n/a" if g is None or 0 not in g["seeds"] else \
+                f"{g['diffs'][g['seeds'].index(0)]:+.3f}"
+            lines.append(f"| {int(steps):,} | " + " | ".join(cells)
+                         + f" | {train_gap} | {val_gap} |")
     if s["frontier"]:
         lines += ["", f"At {s['tune_steps']:,} steps (seed 0, tuned lr), loss against the bytes "
                   "a rank sent, in total and per steady step (after the density warm-up; a "
