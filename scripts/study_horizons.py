@@ -38,6 +38,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,16 +335,14 @@ def held_out_gap(run: dict, tail: float = 0.2) -> dict | None:
     """The final validation loss minus the mean training loss logged over the run's last
     ``tail`` of steps, with that mean's standard error: near 0 while the model generalizes,
     growing once it fits the repeated text (the long horizons make several passes)."""
-    series = run.get("train_loss") or []
-    if isinstance(series, str):
-        series = json.loads(series)
-    tail_losses = [v for step, v in series if step > (1 - tail) * run["steps"]]
+    tail_losses = [v for step, v in run.get("train_loss") or []
+                   if step > (1 - tail) * run["steps"]]
     if len(tail_losses) < 2:
         return None
-    mean = sum(tail_losses) / len(tail_losses)
-    sd = math.sqrt(sum((v - mean) ** 2 for v in tail_losses) / (len(tail_losses) - 1))
+    mean = statistics.fmean(tail_losses)
     return {"gap": run["final_val_loss"] - mean, "train": mean,
-            "se": sd / math.sqrt(len(tail_losses)), "logs": len(tail_losses)}
+            "se": statistics.stdev(tail_losses) / math.sqrt(len(tail_losses)),
+            "logs": len(tail_losses)}
 
 
 def _num(v, fmt: str) -> str:
