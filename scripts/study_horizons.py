@@ -14,8 +14,12 @@ length), run at several horizons:
 
 Every run checkpoints every ``--checkpoint-every`` steps (1000) and resumes from its last
 checkpoint when the study is started again (``resume=auto``); finished runs are skipped, so a
-killed study loses at most that many steps per run. Each run records the commit of the code it
-ran (``code.json`` at its start; a resume at another commit is refused) and its command.
+killed study loses at most that many steps per run. SIGTERM to the study (or to ``--drive``)
+loses none: it is passed on to the run's trainer, which checkpoints and exits, and the stopped
+segment's time counts in the run's recorded wall time (a checkout driven with ``--drive`` does
+so only where its own tool has this rule; 496b96f's does not: send its trainer SIGTERM too, or
+the trainer trains on without the tool). Each run records the commit of the code
+it ran (``code.json`` at its start; a resume at another commit is refused) and its command.
 
 The runs write JSON only (``docs/figures/scape99_horizons.json``); ``--report-only`` computes the
 summary again from that JSON's runs (under the command line's plan), then renders the section of
@@ -542,7 +546,7 @@ def drive(worktree: Path, p: Plan, json_path: Path, runs_dir: Path) -> int:
             print("drive: no run is ready")
             return 0
         print(f"drive: {' '.join(cmd[1:])} (in {worktree})", flush=True)
-        rc = subprocess.call(cmd, cwd=worktree, env=env)
+        rc = sq.wait_passing_stop(subprocess.Popen(cmd, cwd=worktree, env=env), "drive")
         if rc != 0:
             return rc
 

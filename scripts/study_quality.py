@@ -35,6 +35,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -255,12 +256,44 @@ def study_lock(runs_dir: Path, script: str):
 
 
 def cli(main: Callable[[], int]) -> None:
-    """Exit with ``main()``'s status; a refused pairing is an error message, status 2."""
+    """Exit with ``main()``'s status; a refused pairing is an error message, status 2; a stop
+    (SIGTERM while a run trained) a line saying so, status 143 (128 + SIGTERM), as the trainer."""
     try:
         sys.exit(main())
     except MixedCommitsError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Stopped as stop:
+        print(f"stopped: {stop}", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
+
+
+class Stopped(Exception):
+    """This study process got SIGTERM while a child ran; the child got it too and has exited
+    (a trainer checkpoints first, so a resumable run continues where it stopped)."""
+
+    def __init__(self, what: str, wall_s: float):
+        super().__init__(f"{what} after {wall_s:.0f} s; start the study again to go on")
+        self.wall_s = wall_s
+
+
+def wait_passing_stop(proc: subprocess.Popen, what: str) -> int:
+    """``proc``'s exit status. A SIGTERM to this process meanwhile is passed on to ``proc`` (not
+    a kill: a trainer saves a checkpoint at SIGTERM, and a study tool passes it on again), and
+    once ``proc`` has exited, :class:`Stopped` is raised with the seconds it ran."""
+    start, stopped = time.perf_counter(), []
+
+    def pass_on(signum, frame):
+        stopped.append(signum)
+        proc.send_signal(signal.SIGTERM)
+    before = signal.signal(signal.SIGTERM, pass_on)
+    try:
+        rc = proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    if stopped:
+        raise Stopped(what, time.perf_counter() - start)
+    return rc
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -299,7 +332,8 @@ def run_trainer(cmd: list[str], run_dir: Path, run_id: str, log=print, resume: b
     """Run one training command into ``run_dir`` (its log: ``train.log``): (wall seconds,
     diverged). An unfinished earlier attempt is started again, or with ``resume`` (the command
     carries ``resume=auto`` and checkpoints) continued from its last checkpoint, its log
-    appended to; a failure other than a non-finite loss raises with the log's end."""
+    appended to; a failure other than a non-finite loss raises with the log's end, a SIGTERM
+    :class:`Stopped` once the trainer has exited (``wait_passing_stop``)."""
     if run_dir.exists() and not resume:
         shutil.rmtree(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -309,7 +343,8 @@ def run_trainer(cmd: list[str], run_dir: Path, run_id: str, log=print, resume: b
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(run_dir / "train.log", "a" if resume else "w") as out:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_passing_stop(proc, run_id)
     wall = time.perf_counter() - start
     text = (run_dir / "train.log").read_text()
     # the trainer's NonFiniteLossError: "non-finite loss (nan) at step N. ..."

@@ -132,3 +132,64 @@ def test_the_report_refuses_to_pair_runs_of_different_commits_and_says_so(tmp_pa
     points = {p["candidate"]: p for p in s99.frontier(results)["points"]}
     assert abs(points["scape99"]["gap_seed0"] - 0.30) < 1e-12
     assert points["scape99"]["paired"]["commit"] == "fedcba9"
+
+
+FAKE_TRAINER = '''
+import json, pathlib, signal, sys, time
+train, steps = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+train.mkdir(parents=True, exist_ok=True)
+if not (train / "saved").exists():        # the first segment trains until SIGTERM, then "saves"
+    def save(*_):
+        (train / "saved").write_text("checkpoint")
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, save)
+    (train / "ready").write_text("")
+    time.sleep(60)
+    sys.exit(1)
+time.sleep(0.5)                           # the resumed segment finishes
+(train / "metrics.jsonl").write_text(json.dumps({"step": steps, "val_loss": 3.5}) + "\\n")
+'''
+
+STUDY = '''
+import sys
+sys.path.insert(0, {scripts!r})
+import study_quality as sq, study_scape99 as s99
+s99.command = lambda c, seed, steps, ranks, train, *rest: [sys.executable, {fake!r}, str(train), str(steps)]
+sq.cli(lambda: (s99.execute(s99.CANDIDATES["adams"], 0, 40, 1, __import__("pathlib").Path({runs!r}),
+                            [], s99.SHAPE, checkpoint_every=10), 0)[1])
+'''
+
+
+def test_a_stopped_run_passes_sigterm_on_and_its_time_counts_when_it_resumes(tmp_path):
+    """SIGTERM to the study reaches the trainer (which checkpoints), the study exits 143 and
+    says so, and the run's recorded wall time includes the stopped segment."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    fake, study = tmp_path / "fake_trainer.py", tmp_path / "study.py"
+    fake.write_text(FAKE_TRAINER)
+    runs = tmp_path / "runs"
+    study.write_text(STUDY.format(scripts=str(REPO / "scripts"), fake=str(fake), runs=str(runs)))
+    run_dir = runs / s99.run_id(s99.CANDIDATES["adams"], 0, 40)
+
+    proc = subprocess.Popen([sys.executable, str(study)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "train" / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 143, err
+    assert "stopped:" in err and "start the study again" in err
+    assert (run_dir / "train" / "saved").exists()           # the trainer got SIGTERM, not a kill
+    before = json.loads((run_dir / "code.json").read_text())["wall_s_before"]
+    assert before >= 1.0
+
+    done = subprocess.run([sys.executable, str(study)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["final_val_loss"] == 3.5
+    assert result["wall_s"] >= before + 0.5
