@@ -265,8 +265,13 @@ def power_law(points: list[dict], margin: float = MARGIN) -> dict:
 
     def reach(bb: float) -> float | None:   # gap(x) = exp(ybar - bb (log x - xbar)) = margin
         return None if bb <= 0 else math.exp(xbar + (ybar - math.log(margin)) / bb)
+    fitted = [math.exp(log_a + slope * x) for x in lx]
+    chi2 = sum(wi * (y - math.log(f)) ** 2 for wi, y, f in zip(w, ly, fitted))
     out = {"ok": True, "a": math.exp(log_a), "b": b, "b_lo": lo, "b_hi": hi, "se_b": se_b,
-           "x_margin": reach(b), "x_margin_range": [reach(hi), reach(lo)]}
+           "x_margin": reach(b), "x_margin_range": [reach(hi), reach(lo)],
+           "fitted": [{"x": pt["x"], "mean": pt["mean"], "fit": f}
+                      for pt, f in zip(points, fitted)],
+           "chi2": chi2, "dof": len(points) - 2}
     if b <= 0:
         out["why"] = "the fitted gap does not shrink with the horizon (b <= 0)"
     return out
@@ -392,6 +397,13 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
         lines += ["", f"SCAPE-99's gap fitted as gap = a·(tokens/param)^(-b), weighted by its "
                   f"intervals: a = {f['a']:.3g}, b = {f['b']:.3f} [{f['b_lo']:.3f}, "
                   f"{f['b_hi']:.3f}]. It reaches {s['margin']} at {reach}."]
+        if "fitted" in f:      # JSON written before the fit recorded its residuals lacks it
+            pairs = "; ".join(f"{pt['mean']:+.3f} against {pt['fit']:+.3f} at {pt['x']:.1f}"
+                              for pt in f["fitted"])
+            lines += ["", f"Measured gap against the fitted one, by tokens per parameter: {pairs}. "
+                      f"The weighted squared residuals (log gap) sum to {f['chi2']:.2f} on "
+                      f"{f['dof']} degree(s) of freedom: about {f['dof']} where the law holds and "
+                      "the intervals are right, much more where it does not."]
     else:
         lines += ["", f"No power law is fitted to SCAPE-99's gap: {f['why']}."]
     held = s.get("held_out", {})

@@ -156,10 +156,15 @@ def test_summary_gaps_tokens_per_param_and_a_power_law_fit(tmp_path):
     assert abs(f["x_margin"] - 2500) < 1e-6 and abs(f["steps_margin"] - 2.5e6) < 1e-3
     lo, hi = f["steps_margin_range"]
     assert lo < 2.5e6 < hi
+    # an exact law: every fitted gap is the measured one, nothing left over
+    assert f["dof"] == 1 and f["chi2"] < 1e-18
+    assert all(abs(pt["fit"] - pt["mean"]) < 1e-12 for pt in f["fitted"])
     text = sh.render_horizons(s, "figures")
     assert text.startswith(sh.H_BEGIN) and text.rstrip().endswith(sh.H_END)
     assert "| SCAPE-99 (fp32, geometric 10%) (`scape99`) | 30,000 | 30.0 | 3 |" in text
     assert "b = 0.500 [" in text and "2500 tokens per parameter, 2,500,000 steps" in text
+    assert f"{law[30000]:+.3f} against {law[30000]:+.3f} at 30.0" in text
+    assert "sum to 0.00 on 1 degree(s) of freedom" in text
     # each seed's own gap, so a horizon with seed 0 alone reads beside the paired ones
     d = law[30000]
     assert f"| 0: {d - 0.01:+.4f}, 1: {d:+.4f}, 2: {d + 0.01:+.4f} |" in text
@@ -271,3 +276,15 @@ def test_a_killed_study_run_resumes_to_the_uninterrupted_final_loss(tmp_path):
     third = subprocess.run(_study(tmp_path / "cut", tok), env=env, capture_output=True,
                            text=True, timeout=600)
     assert third.returncode == 0 and "ran 0 runs" in third.stdout
+
+
+def test_the_fit_says_how_far_the_gaps_are_from_a_power_law():
+    # the middle horizon sits 3 of its standard errors (in log gap) above a straight line
+    pts = [{"x": 3.0, "mean": 0.3, "se": 0.03}, {"x": 10.0, "mean": 0.3, "se": 0.03},
+           {"x": 30.0, "mean": 0.03, "se": 0.003}]
+    f = sh.power_law(pts)
+    assert f["ok"] and f["dof"] == 1
+    assert f["chi2"] > 10                       # far above its 1 degree of freedom
+    w = [(pt["mean"] / pt["se"]) ** 2 for pt in pts]
+    assert math.isclose(f["chi2"], sum(wi * math.log(pt["mean"] / q["fit"]) ** 2
+                                       for wi, pt, q in zip(w, pts, f["fitted"])))
