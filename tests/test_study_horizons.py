@@ -188,17 +188,21 @@ def test_held_out_gap_reads_the_last_fifth_of_the_training_logs():
     assert g["logs"] == 2 and abs(g["gap"] - 0.3) < 1e-12
     assert abs(g["se"] - math.sqrt(0.02) / math.sqrt(2)) < 1e-12
     assert sh.held_out_gap({**run, "train_loss": [[1000, 2.0]]}) is None   # no spread to read
-    # the summary reads seed 0's runs at the tuned lr, and the page shows them per horizon
-    results, p = _with_horizons({3000: [0.2, 0.2, 0.2], 10000: [0.1, 0.1, 0.1]})
+    # the summary reads every seed's runs at the tuned lr, and the page shows them per horizon
+    results, p = _with_horizons({3000: [0.2, 0.2, 0.2], 10000: [0.1, 0.2, 0.3]})
     for r in results.values():
         r["train_loss"] = [[r["steps"], r["final_val_loss"] - 0.05],
                            [r["steps"] - 1, r["final_val_loss"] - 0.15]]
     s = sh.horizon_summary(results, PARAMS, TOKENS, p)
     assert sorted(s["held_out"]) == ["10000", "3000"]
-    assert abs(s["held_out"]["3000"]["scape99"]["gap"] - 0.1) < 1e-12
-    # validation - training for each, then SCAPE-99's gap on training and on validation loss
-    assert "| 10,000 | +0.100 ± 0.050 | +0.100 ± 0.050 | +0.100 ± 0.071 | +0.100 |" \
-        in sh.render_horizons(s, "figures")
+    assert sorted(s["held_out"]["10000"]) == ["0", "1", "2"]
+    assert abs(s["held_out"]["3000"]["0"]["scape99"]["gap"] - 0.1) < 1e-12
+    # validation - training for each, then SCAPE-99's gap on training and on validation loss,
+    # each seed's and their mean
+    text = sh.render_horizons(s, "figures")
+    assert "| 10,000 | 0 | +0.100 ± 0.050 | +0.100 ± 0.050 | +0.100 ± 0.071 | +0.100 |" in text
+    assert "| 10,000 | 2 | +0.100 ± 0.050 | +0.100 ± 0.050 | +0.300 ± 0.071 | +0.300 |" in text
+    assert "| 10,000 | mean of 3 |  |  | +0.200 | +0.200 |" in text
 
 
 def test_no_trend_is_read_from_two_horizons_or_a_closed_gap():
