@@ -398,13 +398,12 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
         lines += ["", f"SCAPE-99's gap fitted as gap = a·(tokens/param)^(-b), weighted by its "
                   f"intervals: a = {f['a']:.3g}, b = {f['b']:.3f} [{f['b_lo']:.3f}, "
                   f"{f['b_hi']:.3f}]. It reaches {s['margin']} at {reach}."]
-        if "fitted" in f:      # JSON written before the fit recorded its residuals lacks it
-            pairs = "; ".join(f"{pt['mean']:+.3f} against {pt['fit']:+.3f} at {pt['x']:.1f}"
-                              for pt in f["fitted"])
-            lines += ["", f"Measured gap against the fitted one, by tokens per parameter: {pairs}. "
-                      f"The weighted squared residuals (log gap) sum to {f['chi2']:.2f} on "
-                      f"{f['dof']} degree(s) of freedom: about {f['dof']} where the law holds and "
-                      "the intervals are right, much more where it does not."]
+        pairs = "; ".join(f"{pt['mean']:+.3f} against {pt['fit']:+.3f} at {pt['x']:.1f}"
+                          for pt in f["fitted"])
+        lines += ["", f"Measured gap against the fitted one, by tokens per parameter: {pairs}. "
+                  f"The weighted squared residuals (log gap) sum to {f['chi2']:.2f} on "
+                  f"{f['dof']} degree(s) of freedom: about {f['dof']} where the law holds and "
+                  "the intervals are right, much more where it does not."]
     else:
         lines += ["", f"No power law is fitted to SCAPE-99's gap: {f['why']}."]
     held = s.get("held_out", {})

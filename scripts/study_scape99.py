@@ -194,14 +194,15 @@ def execute(c: Candidate, seed: int, steps: int, ranks: int, runs_dir: Path, ext
         shutil.rmtree(run_dir, ignore_errors=True)
     cmd = command(c, seed, steps, ranks, run_dir / "train", extra, shape, checkpoint_every)
     code = started_code(run_dir, rid, resume)
+    segment = 0.0
     try:
-        wall, diverged = sq.run_trainer(cmd, run_dir, rid, resume=resume)
-    except sq.Stopped as stop:      # the stopped segment's time counts in the run's wall time
-        sq.write_atomic(run_dir / "code.json",
-                        json.dumps({**code, "wall_s_before": code["wall_s_before"] + stop.wall_s}))
+        segment, diverged = sq.run_trainer(cmd, run_dir, rid, resume=resume)
+    except sq.Stopped as stop:      # a stopped segment's time counts in the run's wall time too
+        segment = stop.wall_s
         raise
-    wall += code["wall_s_before"]
-    sq.write_atomic(run_dir / "code.json", json.dumps({**code, "wall_s_before": wall}))
+    finally:
+        wall = code["wall_s_before"] + segment
+        sq.write_atomic(run_dir / "code.json", json.dumps({**code, "wall_s_before": wall}))
     metrics = run_dir / "train" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] \
         if metrics.exists() else []
