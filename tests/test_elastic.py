@@ -176,12 +176,15 @@ def test_worker_frozen_past_the_timeout_then_heals(job_factory):
     frozen = len(job.rounds(0))
     job.wait_until(lambda: len([r for r in job.rounds(0) if r["quorum"] == [0, 1]
                                 and r["committed"]]) >= 3, "3 rounds without the frozen worker")
+    woke = time.time()
     job.signal(2, signal.SIGCONT)
     job.wait_done([0, 1, 2], limit_s=300)
     same_params(job, [0, 1, 2])
     assert any(not r["committed"] for r in job.rounds(0)[frozen - 1:]), "no round failed"
-    healed = [r for r in job.rounds(2) if r["healed"]]
-    assert len(healed) >= 2, "the frozen worker did not heal after it woke"   # start, wake
+    # whether it also heals at the start depends on which replica torchft picks as the first
+    # quorum's source, so only the heal after the wake is checked
+    healed = [r for r in job.rounds(2) if r["healed"] and r["time"] > woke]
+    assert healed, "the frozen worker did not heal after it woke"
     for s in (0, 1):
         check_tokens(job, s)
 
