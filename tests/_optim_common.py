@@ -49,3 +49,16 @@ def train_step(strategy, wrapped: nn.Module, step: int, rank: int, lr: float = 1
     metrics = read_on_host(strategy.step(lr))
     strategy.zero_grad()
     return metrics
+
+
+def sent_bytes_per_kind(strategy, wrapped: nn.Module, steps, rank: int) -> list[dict[str, int]]:
+    """Train ``steps`` (step numbers) and return, per step, the bytes this rank's Comm counted
+    for each kind of payload (``comm/<kind>_sent_bytes``, the total left out)."""
+    per_step = []
+    for step in steps:
+        strategy.comm.pop_stats()
+        train_step(strategy, wrapped, step, rank)
+        stats = strategy.comm.pop_stats()
+        per_step.append({k[len("comm/"):-len("_sent_bytes")]: int(v) for k, v in stats.items()
+                         if k.endswith("_sent_bytes") and k != "comm/sent_bytes"})
+    return per_step

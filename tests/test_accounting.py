@@ -11,7 +11,7 @@ from scape_train.optim.scape.accounting import (StepBytes, dense_allreduce_bytes
 from scape_train.optim.scape.partition import ParamLayout
 
 from ._dist import run_distributed
-from ._optim_common import make, tiny_model, train_step
+from ._optim_common import make, sent_bytes_per_kind, tiny_model, train_step
 
 # (sharded, partitioner, density): both engines, both partitioners, several k per segment.
 CASES = [(False, "tensor", 0.1), (False, "flat", 0.3), (True, "flat", 0.1), (True, "tensor", 0.05)]
@@ -25,13 +25,7 @@ def _counted(rank: int, world: int) -> list[dict]:
         cfg = OptimizerConfig(name="scape", density=density, density_warmup_steps=0,
                               sharded=sharded, partitioner=partitioner, use_triton="off")
         strategy, wrapped, _ = make(cfg, width=WIDTH)
-        per_step = []
-        for step in range(1, STEPS + 1):
-            strategy.comm.pop_stats()
-            train_step(strategy, wrapped, step, rank)
-            stats = strategy.comm.pop_stats()
-            per_step.append({k[len("comm/"):-len("_sent_bytes")]: int(v) for k, v in stats.items()
-                             if k.endswith("_sent_bytes") and k != "comm/sent_bytes"})
+        per_step = sent_bytes_per_kind(strategy, wrapped, range(1, STEPS + 1), rank)
         strategy.close()
         out.append({"steps": per_step})
     dense_cfg = OptimizerConfig(name="adams")

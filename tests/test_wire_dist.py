@@ -15,7 +15,7 @@ from scape_train.optim.scape.accounting import scape_step_bytes
 from scape_train.optim.scape.partition import ParamLayout
 
 from ._dist import run_distributed
-from ._optim_common import flat_params, make, tiny_model, train_step
+from ._optim_common import flat_params, make, sent_bytes_per_kind, tiny_model, train_step
 from ._scape_checks import (assert_states_equal, check_invariants, elementwise, record_run,
                             resume_and_offload_run)
 
@@ -187,13 +187,7 @@ def _bytes_worker(rank, world):
                               sharded=sharded, partitioner=partitioner, mask_coding=coding,
                               payload_dtype=dtype, use_triton="off")
         strategy, wrapped, _ = make(cfg, width=WIDTH)
-        per_step = []
-        for step in (1, 2):
-            strategy.comm.pop_stats()
-            train_step(strategy, wrapped, step, rank)
-            stats = strategy.comm.pop_stats()
-            per_step.append({k[len("comm/"):-len("_sent_bytes")]: int(v) for k, v in stats.items()
-                             if k.endswith("_sent_bytes") and k != "comm/sent_bytes"})
+        per_step = sent_bytes_per_kind(strategy, wrapped, (1, 2), rank)
         strategy.close()
         out.append(per_step)
     return out
