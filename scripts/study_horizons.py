@@ -201,15 +201,20 @@ STEP_S = {"dense": 0.11, "scape": 0.115, "local": 0.11}
 STARTUP_S = 50.0
 
 
-def _family(setting: str) -> str:
+FAMILIES = {"dense": "dense AdamS", "scape": "SCAPE", "diloco": "DiLoCo", "gasloc": "GASLoC"}
+
+
+def family(setting: str) -> str:
+    """The setting's family on the bytes views: dense, SCAPE, or its local-step strategy."""
     c = s99.CANDIDATES[setting]
-    return "local" if c.strategy != "data_parallel" else (
-        "scape" if c.optimizer == "scape" else "dense")
+    return FAMILIES[c.strategy if c.strategy != "data_parallel" else (
+        "scape" if c.optimizer == "scape" else "dense")]
 
 
 def estimate_s(run: HRun) -> float:
+    kind = {"SCAPE": "scape", "dense AdamS": "dense"}.get(family(run.setting), "local")
     checkpoints = run.steps // CHECKPOINT_EVERY
-    return STARTUP_S + run.steps * STEP_S[_family(run.setting)] + 0.5 * checkpoints
+    return STARTUP_S + run.steps * STEP_S[kind] + 0.5 * checkpoints
 
 
 # ------------------------------------------------------------------------------ the report
@@ -323,9 +328,10 @@ def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> di
         if run is None or run["final_val_loss"] is None:
             continue
         step_bytes, source = s99.steady_step_bytes(run, results)
-        front.append({"candidate": name, "label": tune[name]["label"], "lr": lr,
-                      "final_val_loss": run["final_val_loss"], "sent_bytes": run["sent_bytes"],
+        front.append({"candidate": name, "label": tune[name]["label"], "family": family(name),
+                      "lr": lr, "seed0": run["final_val_loss"], "sent_bytes": run["sent_bytes"],
                       "steady_step_bytes": step_bytes, "steady_source": source})
+    s99.mark_best_within(front)
     held_out = {}
     for name in (BASELINE, GAP_SETTING):
         lr = tune.get(name, {}).get("best")
@@ -440,14 +446,21 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
     if s["frontier"]:
         lines += ["", f"At {s['tune_steps']:,} steps (seed 0, tuned lr), loss against the bytes "
                   "a rank sent, in total and per steady step (after the density warm-up; a "
-                  "local-step method's is its exchange averaged over its H steps):", "",
-                  "| setting | lr | final val loss | MB sent per rank | KB per steady step |",
-                  "|---|---|---|---|---|"]
+                  "local-step method's is its exchange averaged over its H steps). 'Best at "
+                  "these bytes' is the lowest loss among the settings that send no more, in total "
+                  "and per steady step:", "",
+                  "| setting | lr | final val loss | MB sent per rank | KB per steady step | "
+                  "best at these bytes | best at these bytes per step |",
+                  "|---|---|---|---|---|---|---|"]
         for pt in sorted(s["frontier"], key=lambda q: q["sent_bytes"] or 0):
             lines.append(f"| {pt['label']} (`{pt['candidate']}`) | {pt['lr']:g} | "
-                         f"{pt['final_val_loss']:.4f} | "
+                         f"{pt['seed0']:.4f} | "
                          f"{_num(pt['sent_bytes'] and pt['sent_bytes'] / 1e6, ',.1f')} | "
-                         f"{_num(pt['steady_step_bytes'] and pt['steady_step_bytes'] / 1e3, ',.1f')} |")
+                         f"{_num(pt['steady_step_bytes'] and pt['steady_step_bytes'] / 1e3, ',.1f')}"
+                         f" | {s99.best_cell(pt, 'best_within')} | "
+                         f"{s99.best_cell(pt, 'best_within_per_step')} |")
+        lines += ["", f"![loss against bytes at {s['tune_steps']:,} steps, total and per step]"
+                  f"({fig_rel}/scape99_horizons_bytes.png)"]
     lines += ["", f"![gap against tokens per parameter]({fig_rel}/scape99_horizons.png)", "",
               f"Every run with its commit and command: `{fig_rel}/scape99_horizons.json`. "
               "Regenerate: `.venv/bin/python scripts/study_horizons.py --report-only`.", "", H_END]
@@ -496,7 +509,16 @@ def write_json(results: dict, p: Plan, json_path: Path, params: int) -> dict:
 
 def write_report(payload: dict, json_path: Path, report: Path) -> None:
     """The section and the figure, from the JSON's summary alone."""
-    plot_horizons(payload["summary"], json_path.parent / "scape99_horizons.png")
+    summary = payload["summary"]
+    plot_horizons(summary, json_path.parent / "scape99_horizons.png")
+    if summary["frontier"]:
+        local = {"DiLoCo", "GASLoC"}
+        s99.plot_bytes_views(
+            [{**pt, "tag": (f"H {s99.CANDIDATES[pt['candidate']].inner_steps}"
+                            if pt["family"] in local else pt["candidate"], pt["family"] in local)}
+             for pt in summary["frontier"]], list(FAMILIES.values()),
+            f"Quality per byte, {summary['tune_steps']:,} steps, 4 ranks",
+            json_path.parent / "scape99_horizons_bytes.png")
     rel = os.path.relpath(json_path.parent, report.parent)
     text = report.read_text() if report.exists() else "# Quality on real text\n"
     sq.write_atomic(report, doc_sections.replace_section(

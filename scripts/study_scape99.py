@@ -426,6 +426,14 @@ def frontier(results) -> dict:
                        **dict(zip(("steady_step_bytes", "steady_source"),
                                   steady_step_bytes(run0, results))),
                        **gap_fields(*gaps_to_baseline(results, source))})
+    mark_best_within(points)
+    return {"points": points}
+
+
+def mark_best_within(points: list[dict]) -> None:
+    """Give each point (``candidate``, ``seed0`` loss, ``sent_bytes``, ``steady_step_bytes``)
+    the candidate with the lowest loss among the points that send no more bytes: in total
+    (``best_within``) and per steady step (``best_within_per_step``, where known)."""
     for pt in points:
         cheaper = [q for q in points if q["sent_bytes"] <= pt["sent_bytes"]]
         pt["best_within"] = min(cheaper, key=lambda q: q["seed0"])["candidate"]
@@ -433,7 +441,12 @@ def frontier(results) -> dict:
             cheaper = [q for q in points if q["steady_step_bytes"] is not None
                        and q["steady_step_bytes"] <= pt["steady_step_bytes"]]
             pt["best_within_per_step"] = min(cheaper, key=lambda q: q["seed0"])["candidate"]
-    return {"points": points}
+
+
+def best_cell(pt: dict, key: str) -> str:
+    """A table cell naming the point's ``best_within*`` setting (``mark_best_within``)."""
+    b = pt.get(key)
+    return "n/a" if b is None else ("**this**" if b == pt["candidate"] else f"`{b}`")
 
 
 def paired_sd_range(front: dict) -> tuple[float, float] | None:
@@ -445,10 +458,6 @@ def paired_sd_range(front: dict) -> tuple[float, float] | None:
 def render_frontier(front: dict, fig_rel: str) -> str:
     def g(v, fmt):
         return "n/a" if v is None else format(v, fmt)
-
-    def best(pt, key):
-        b = pt.get(key)
-        return "n/a" if b is None else ("**this**" if b == pt["candidate"] else f"`{b}`")
 
     sds = paired_sd_range(front)
     spread = ("" if sds is None else
@@ -472,8 +481,8 @@ def render_frontier(front: dict, fig_rel: str) -> str:
         lines.append(f"| {pt['family']} | {pt['label']} (`{pt['candidate']}`) | {pt['lr']:g} | "
                      f"{pt['sent_bytes'] / 1e6:,.1f} | "
                      f"{g(None if step is None else step / 1e3, ',.1f')} | {pt['seed0']:.4f} | "
-                     f"{gap_cell(pt)} | {paired_cell(pt['paired'])} | {best(pt, 'best_within')} | "
-                     f"{best(pt, 'best_within_per_step')} |")
+                     f"{gap_cell(pt)} | {paired_cell(pt['paired'])} | {best_cell(pt, 'best_within')} | "
+                     f"{best_cell(pt, 'best_within_per_step')} |")
     lines += ["", f"![final loss against bytes, total and per step]({fig_rel}/frontier.png)", "",
               f"The runs: `{fig_rel}/scape99_search.json` (its `frontier` key holds this table). "
               "Regenerate with `.venv/bin/python scripts/study_scape99.py --report-only`.", "",
@@ -482,25 +491,35 @@ def render_frontier(front: dict, fig_rel: str) -> str:
 
 
 def plot_frontier(front: dict, path: Path) -> None:
+    def tag(q: dict) -> tuple[str, bool]:    # the no-warm-up SCAPE families: a line over d
+        series = q["family"].startswith("SCAPE ") and "no warm-up" in q["family"]
+        return (f"d {q['density']:g}" if series else q["candidate"]), series
+
+    plot_bytes_views([{**q, "tag": tag(q)} for q in front["points"]],
+                     [f for f, _ in FAMILIES] + [OTHER_SETTINGS],
+                     f"Quality per byte, {STEPS} steps, 4 ranks", path)
+
+
+def plot_bytes_views(points: list[dict], families: list[str], title: str, path: Path) -> None:
+    """Final loss (``seed0``) against the bytes a rank sent, over the run (left) and per steady
+    step (right), log x; one series per family in ``families`` order, each point annotated
+    with ``tag`` = (text, joined by a line with its family's other points)."""
     fig, axes = _axes((13, 5), ncols=2)
-    families = [f for f, _ in FAMILIES] + [OTHER_SETTINGS]
     for ax, key, scale, unit in ((axes[0], "sent_bytes", 1e6, "MB sent per rank over the run"),
                                  (axes[1], "steady_step_bytes", 1e3,
                                   "KB sent per rank per steady step")):
         for family in families:
-            pts = sorted((q for q in front["points"] if q["family"] == family
+            pts = sorted((q for q in points if q["family"] == family
                           and q.get(key) is not None), key=lambda q: q[key])
             if not pts:
                 continue
             xs, ys = [q[key] / scale for q in pts], [q["seed0"] for q in pts]
-            series = family.startswith("SCAPE ") and "no warm-up" in family
-            ax.plot(xs, ys, "o-" if series else "s", ms=5, label=family)
+            ax.plot(xs, ys, "o-" if pts[0]["tag"][1] else "s", ms=5, label=family)
             for q, x, y in zip(pts, xs, ys):
-                tag = f"d {q['density']:g}" if series else q["candidate"]
-                ax.annotate(tag, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+                ax.annotate(q["tag"][0], (x, y), fontsize=6, xytext=(3, 3),
+                            textcoords="offset points")
         ax.set_xscale("log")
-        ax.set(xlabel=f"{unit} (log)", ylabel="final validation loss (seed 0)",
-               title=f"Quality per byte, {STEPS} steps, 4 ranks")
+        ax.set(xlabel=f"{unit} (log)", ylabel="final validation loss (seed 0)", title=title)
     sq._save_figure(fig, [axes[0]], path)
 
 

@@ -180,6 +180,43 @@ def test_summary_gaps_tokens_per_param_and_a_power_law_fit(tmp_path):
     assert (tmp_path / "figures" / "scape99_horizons.png").stat().st_size > 0
 
 
+def test_both_bytes_views_at_the_tuning_horizon_put_local_step_methods_beside_scape(tmp_path):
+    p = sh.Plan(settings=("adams", "scape99", "diloco_h30", "gasloc_h10"), horizons=(10000,))
+    results = {}
+    # seed 0 at each setting's centre lr: (loss, bytes over the run, bytes per step sampled
+    # at steps 2000 and 9000, after SCAPE-99's warm-up over the first 10% of its steps)
+    runs = {"adams": (3.45, 55e9, [(2000, 11e9), (9000, 49.5e9)]),
+            "scape99": (3.51, 1.8e9, [(2000, 1.2e9), (9000, 1.2e9 + 7000 * 67e3)]),
+            "diloco_h30": (3.40, 1.8e9, [(2000, 0.36e9), (9000, 0.36e9 + 7000 * 180e3)]),
+            "gasloc_h10": (3.42, 5.5e9, [(2000, 1.1e9), (9000, 1.1e9 + 7000 * 550e3)])}
+    for name, (loss, sent, series) in runs.items():
+        r = _rec(name, sh.s99.CANDIDATES[name].lr, 0, p.tune_steps, loss, int(sent))
+        results[r["id"]] = {**r, "total_sent_series": [list(pt) for pt in series]}
+    for name in p.settings:                  # the other lrs of each grid lose
+        for lr in sh.lr_grid(name, p.lr_factors):
+            r = _rec(name, lr, 0, p.tune_steps, 9.0)
+            results.setdefault(r["id"], r)
+    s = sh.horizon_summary(results, PARAMS, TOKENS, p)
+    front = {pt["candidate"]: pt for pt in s["frontier"]}
+    assert {n: pt["family"] for n, pt in front.items()} == {
+        "adams": "dense AdamS", "scape99": "SCAPE", "diloco_h30": "DiLoCo", "gasloc_h10": "GASLoC"}
+    assert math.isclose(front["diloco_h30"]["steady_step_bytes"], 180e3)
+    assert math.isclose(front["scape99"]["steady_step_bytes"], 67e3)
+    # DiLoCo ends lowest at SCAPE-99's total bytes; per step SCAPE-99 sends least, so at its
+    # bytes per step it is the best there is
+    assert front["scape99"]["best_within"] == "diloco_h30"
+    assert front["scape99"]["best_within_per_step"] == "scape99"
+    assert front["gasloc_h10"]["best_within_per_step"] == "diloco_h30"
+    text = sh.render_horizons(s, "figures")
+    assert ("| DiLoCo, H = 30 (`diloco_h30`) | 0.002 | 3.4000 | 1,800.0 | 180.0 | **this** | "
+            "**this** |") in text
+    assert "(figures/scape99_horizons_bytes.png)" in text
+    json_path = tmp_path / "figures" / "h.json"
+    sh.write_report(sh.write_json(results, p, json_path, PARAMS), json_path,
+                    tmp_path / "quality.md")
+    assert (tmp_path / "figures" / "scape99_horizons_bytes.png").stat().st_size > 0
+
+
 def test_held_out_gap_reads_the_last_fifth_of_the_training_logs():
     run = {"steps": 1000, "final_val_loss": 3.0,
            "train_loss": [[s, 9.0 if s <= 800 else (2.8 if s % 200 else 2.6)]
