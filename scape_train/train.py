@@ -190,7 +190,8 @@ class Trainer:
                                             self._replica_state, self._load_replica_state)
                 outer_comm = self.replica.comm
                 shard, shards = cfg.strategy.elastic.replica, cfg.strategy.elastic.slots
-            self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model, outer_comm)
+            self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model, outer_comm,
+                                                 total_steps=cfg.trainer.max_steps)
         # The step's flags are read one step late where nothing waits on them: a stop policy on
         # a synchronous strategy (all ranks stop together). A skip must be decided before the
         # update, and a local-step worker must not take a non-finite drift into its round.

@@ -307,6 +307,29 @@ def test_heterogeneous_inner_steps_and_exact_resume():
         assert r["progress_after"] == (12, 12)
 
 
+def _run_end_worker(rank, world, strategy_name, per_worker):
+    # H = 3 does not divide the run's 7 steps: the last round is 1 step, on every worker
+    cfg = StrategyConfig(name=strategy_name, topology="complete", inner_steps=3,
+                         inner_steps_per_worker=per_worker)
+    model = tiny_model(0)
+    strategy = build_local_strategy(cfg, OPT, model, Comm(), total_steps=7)
+    log = []
+    while not log or (log[-1]["progress"] or 0) < 7:     # the trainer's loop: to the agreed end
+        log += _steps(strategy, model, len(log) + 1, len(log) + 1, rank)
+    ends = [m for m in log if m["progress"] is not None]
+    return {"inner": [m["outer/inner_steps"] for m in ends], "agreed": [m["progress"] for m in ends],
+            "round_ends": [m["step"] for m in ends]}
+
+
+@pytest.mark.parametrize("strategy_name,per_worker", [("diloco", []), ("gasloc", [3, 2])])
+def test_the_last_round_ends_at_the_runs_last_step(strategy_name, per_worker):
+    res = run_distributed(_run_end_worker, 2, (strategy_name, per_worker))
+    assert res[0]["agreed"] == res[1]["agreed"] == [3, 6, 7]
+    assert res[0]["inner"] == [3, 3, 1] and res[0]["round_ends"] == [3, 6, 7]
+    if per_worker:      # H_1 = 2 < H: its rounds are shorter, its last one is the same 1 step
+        assert res[1]["inner"] == [2, 2, 1] and res[1]["round_ends"] == [2, 4, 5]
+
+
 def _budget_worker(rank, world):
     cfg = StrategyConfig(name="gasloc", topology="2peer", inner_steps=5, round_budget_s=0.25)
     strategy, model = _make(cfg)
@@ -356,7 +379,7 @@ def _trainer_worker(rank, world, run_dir, tok_cache):
 
     cfg = compose_config(SMALL + [f"run_dir={run_dir}", f"data.tokenizer.cache_dir={tok_cache}",
                                   "strategy=gasloc", "strategy.topology=2peer",
-                                  "strategy.inner_steps=2", "trainer.max_steps=6",
+                                  "strategy.inner_steps=2", "trainer.max_steps=7",
                                   "trainer.checkpoint_every=4"])
     summary = run(cfg)
     return summary["step"], summary["val_loss"], summary.get("checkpoint")
@@ -367,7 +390,8 @@ def test_trainer_runs_gasloc_on_two_ranks(tmp_path):
     res = run_distributed(_trainer_worker, 2, (str(tmp_path), str(tmp_path / "tok")))
     assert res[0] == res[1]
     step, val, ckpt = res[0]
-    assert step == 6 and val == val and ckpt.endswith("step_00000006")
+    # H = 2 does not divide 7 steps: the last round is one step, and the run ends at step 7
+    assert step == 7 and val == val and ckpt.endswith("step_00000007")
     rows = (tmp_path / "metrics.jsonl").read_text()
     assert "outer/round" in rows and "comm/gossip_sent_bytes" in rows
 

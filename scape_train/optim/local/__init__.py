@@ -85,8 +85,9 @@ def validate_elastic(cfg: StrategyConfig, world_size: int) -> None:
 
 
 def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerConfig,
-                         model: nn.Module, comm: Comm) -> OptimizerStrategy:
-    """DiLoCo or GASLoC over ``model`` (the model is not wrapped: no DDP)."""
+                         model: nn.Module, comm: Comm, total_steps: int = 0) -> OptimizerStrategy:
+    """DiLoCo or GASLoC over ``model`` (the model is not wrapped: no DDP). ``total_steps``: the
+    run's length, where its last round ends (0: rounds of H to the end)."""
     cfg = strategy_cfg
     validate(cfg, optimizer_cfg, comm.world)
 
@@ -96,7 +97,7 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
         return GASLoC(params, names, comm, cfg.outer_lr, cfg.outer_momentum, cfg.outer_state_on_cpu,
                       topology=cfg.topology, seed=cfg.seed, mix_momentum=cfg.mix_momentum)
 
-    return LocalStepStrategy(cfg, optimizer_cfg, model, comm, make_outer)
+    return LocalStepStrategy(cfg, optimizer_cfg, model, comm, make_outer, total_steps)
 
 
 __all__ = ["DiLoCo", "GASLoC", "LocalStepStrategy", "STRATEGIES", "StrategyConfig", "TOPOLOGIES",

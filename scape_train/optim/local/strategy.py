@@ -5,6 +5,8 @@ Each ``step(lr)`` is one inner step of a local, non-communicating optimizer (Ada
 
 - after ``H_i`` inner steps (``inner_steps``, or this rank's entry of ``inner_steps_per_worker``;
   ``H_i = 0``: the worker discards its gradient and only mixes), or
+- at the run's end: the last round stops where the nominal step (below) reaches
+  ``total_steps``, so a run of T steps trains T steps whether or not H divides T, or
 - with ``round_budget_s > 0``, when another inner step would overrun the wall-clock budget. The
   budget runs from the start of the previous exchange, so a worker whose exchange was slow (a
   bandwidth straggler, or a peer of one) or whose steps are slow takes fewer inner steps and
@@ -16,8 +18,8 @@ worker keeps theta and its inner state, and its drift since the last committed r
 next one (``uncommitted_steps`` counts its inner steps). The trainer makes
 no per-step collective (``synchronous = False``); ``progress`` tells it where rounds end: every
 worker ends round r at its own local step, and there ``progress`` returns the nominal step
-``r * H`` on all of them (``None`` in between), which is where the trainer validates, checkpoints
-and stops.
+``r * H`` on all of them, capped at ``total_steps`` (``None`` in between), which is where the
+trainer validates, checkpoints and stops.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class LocalStepStrategy(OptimizerStrategy):
     synchronous = False
 
     def __init__(self, cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, model: nn.Module,
-                 comm: Comm, make_outer):
-        """``make_outer(params, names) -> OuterAlgorithm`` builds DiLoCo or GASLoC over the params."""
+                 comm: Comm, make_outer, total_steps: int = 0):
+        """``make_outer(params, names) -> OuterAlgorithm`` builds DiLoCo or GASLoC over the params;
+        ``total_steps``: the run's length (0: no end to fit the last round to)."""
         self.cfg, self.opt_cfg, self.comm = cfg, optimizer_cfg, comm
         self.optimizer, index_names = build_local_optimizer(optimizer_cfg, model,
                                                             adams=optimizer_cfg.name == "adams")
@@ -67,6 +70,7 @@ class LocalStepStrategy(OptimizerStrategy):
         per_worker = list(cfg.inner_steps_per_worker)
         self.h_local = per_worker[comm.rank] if per_worker else cfg.inner_steps
         self.nominal_h = max(cfg.inner_steps, 1)   # the step count a round stands for
+        self.total_steps = total_steps
         self.budget_s = float(cfg.round_budget_s)
         # whose state this is: the elastic replica slot, else the rank. Another worker's state
         # (a replica healing from a live peer) is taken at its last committed round.
@@ -90,7 +94,14 @@ class LocalStepStrategy(OptimizerStrategy):
 
     # -- the trainer's hooks ---------------------------------------------------------------
     def progress(self, step: int) -> int | None:
-        return self.rounds_done * self.nominal_h if step == self.sync_step else None
+        if step != self.sync_step:
+            return None
+        nominal = self.rounds_done * self.nominal_h
+        return min(nominal, self.total_steps) if self.total_steps else nominal
+
+    def _steps_left(self) -> int | None:
+        """Nominal steps from this round's start to the run's end (None: no end given)."""
+        return self.total_steps - self.rounds_done * self.nominal_h if self.total_steps else None
 
     def before_forward(self, step: int) -> None:
         self._step_hint = step
@@ -116,6 +127,9 @@ class LocalStepStrategy(OptimizerStrategy):
         return metrics
 
     def _round_over(self) -> bool:
+        left = self._steps_left()
+        if left is not None and 0 < left <= self.steps_in_round:
+            return True       # the run's last round, shorter than H
         if self.budget_s <= 0:
             return self.steps_in_round >= self.h_local
         now = time.perf_counter()
