@@ -32,7 +32,10 @@ summary again from that JSON's runs (under the command line's plan), then render
 
 Long runs go in a checkout at a fixed commit (``git worktree add ../runs 496b96f``; a resume at
 another commit is refused). ``--drive ../runs`` plans with this tool's rules and has that
-checkout's tool run each ready run; copy its JSON here and ``--report-only`` to render.
+checkout's tool run each ready run; copy its JSON here and ``--report-only`` to render. The
+local-step candidates ran in a second checkout (2736b3d: their last round ends at the run's last
+step); ``--report-only --runs-from ../runs_local/docs/figures/scape99_horizons.json`` merges its
+runs. They sit on the bytes views only, never in a paired gap.
 """
 
 from __future__ import annotations
@@ -298,7 +301,8 @@ def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> di
     gaps = {}
     for name in p.settings:
         lr, base_lr = tune[name]["best"], tune.get(BASELINE, {}).get("best")
-        if name == BASELINE or lr is None or base_lr is None:
+        # local-step candidates are on the bytes views only (they may run at another commit)
+        if name == BASELINE or lr is None or base_lr is None or not SETTINGS[name].horizons:
             continue
         per = {}
         for steps in sorted({r["steps"] for r in results.values()}):
@@ -330,7 +334,8 @@ def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> di
         step_bytes, source = s99.steady_step_bytes(run, results)
         front.append({"candidate": name, "label": tune[name]["label"], "family": family(name),
                       "lr": lr, "seed0": run["final_val_loss"], "sent_bytes": run["sent_bytes"],
-                      "steady_step_bytes": step_bytes, "steady_source": source})
+                      "steady_step_bytes": step_bytes, "steady_source": source,
+                      "commit": run.get("commit")})
     s99.mark_best_within(front)
     held_out = {}
     for name in (BASELINE, GAP_SETTING):
@@ -448,17 +453,20 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
                   "a rank sent, in total and per steady step (after the density warm-up; a "
                   "local-step method's is its exchange averaged over its H steps). 'Best at "
                   "these bytes' is the lowest loss among the settings that send no more, in total "
-                  "and per steady step:", "",
+                  "and per steady step. The runs' code commit is in the last column (these are "
+                  "not paired gaps; a later commit that changed only local-step training leaves "
+                  "dense and SCAPE runs as they were):", "",
                   "| setting | lr | final val loss | MB sent per rank | KB per steady step | "
-                  "best at these bytes | best at these bytes per step |",
-                  "|---|---|---|---|---|---|---|"]
+                  "best at these bytes | best at these bytes per step | commit |",
+                  "|---|---|---|---|---|---|---|---|"]
         for pt in sorted(s["frontier"], key=lambda q: q["sent_bytes"] or 0):
             lines.append(f"| {pt['label']} (`{pt['candidate']}`) | {pt['lr']:g} | "
                          f"{pt['seed0']:.4f} | "
                          f"{_num(pt['sent_bytes'] and pt['sent_bytes'] / 1e6, ',.1f')} | "
                          f"{_num(pt['steady_step_bytes'] and pt['steady_step_bytes'] / 1e3, ',.1f')}"
                          f" | {s99.best_cell(pt, 'best_within')} | "
-                         f"{s99.best_cell(pt, 'best_within_per_step')} |")
+                         f"{s99.best_cell(pt, 'best_within_per_step')} | "
+                         f"{(pt.get('commit') or 'n/a')[:7]} |")
         lines += ["", f"![loss against bytes at {s['tune_steps']:,} steps, total and per step]"
                   f"({fig_rel}/scape99_horizons_bytes.png)"]
     lines += ["", f"![gap against tokens per parameter]({fig_rel}/scape99_horizons.png)", "",
@@ -549,6 +557,9 @@ def parse(argv=None):
     a.add_argument("--json", default=None, help="default: docs/figures/scape99_horizons.json "
                    "of this checkout (of --drive's)")
     a.add_argument("--report", default=str(REPO / "docs" / "quality.md"))
+    a.add_argument("--runs-from", nargs="*", default=[], metavar="JSON",
+                   help="with --report-only: the runs of these study JSONs too (another "
+                   "checkout's, e.g. runs at another commit), merged into --json")
     a.add_argument("--extra", nargs="*", default=["trainer.dist_timeout_s=3600"])
     a.add_argument("--drive", metavar="WORKTREE", help="run the plan's runs with the study tool of "
                    "a checkout at the runs' commit (see drive_command); --json and --out-dir "
@@ -611,8 +622,11 @@ def main(argv=None) -> int:
         # the summary again from the runs alone, under this plan (the JSON's own may come from
         # a narrower invocation, e.g. one setting's grid extension)
         params = json.loads(json_path.read_text())["summary"]["params"]
-        write_report(write_json(sq.json_runs(json_path), p, json_path, params), json_path,
-                     Path(a.report))
+        runs = sq.json_runs(json_path)
+        for other in a.runs_from:         # this JSON's own record of a run wins
+            for rid, run in sq.json_runs(Path(other)).items():
+                runs.setdefault(rid, run)
+        write_report(write_json(runs, p, json_path, params), json_path, Path(a.report))
         print(f"wrote {json_path}, {a.report} and {json_path.parent / 'scape99_horizons.png'}")
         return 0
     planned = plan(results, p)

@@ -191,7 +191,9 @@ def test_both_bytes_views_at_the_tuning_horizon_put_local_step_methods_beside_sc
             "gasloc_h10": (3.42, 5.5e9, [(2000, 1.1e9), (9000, 1.1e9 + 7000 * 550e3)])}
     for name, (loss, sent, series) in runs.items():
         r = _rec(name, sh.s99.CANDIDATES[name].lr, 0, p.tune_steps, loss, int(sent))
-        results[r["id"]] = {**r, "total_sent_series": [list(pt) for pt in series]}
+        results[r["id"]] = {**r, "total_sent_series": [list(pt) for pt in series],
+                            # local-step runs at another commit: on the bytes views, not paired
+                            "commit": "fedcba9" if name in ("diloco_h30", "gasloc_h10") else COMMIT}
     for name in p.settings:                  # the other lrs of each grid lose
         for lr in sh.lr_grid(name, p.lr_factors):
             r = _rec(name, lr, 0, p.tune_steps, 9.0)
@@ -209,11 +211,21 @@ def test_both_bytes_views_at_the_tuning_horizon_put_local_step_methods_beside_sc
     assert front["gasloc_h10"]["best_within_per_step"] == "diloco_h30"
     text = sh.render_horizons(s, "figures")
     assert ("| DiLoCo, H = 30 (`diloco_h30`) | 0.002 | 3.4000 | 1,800.0 | 180.0 | **this** | "
-            "**this** |") in text
+            "**this** | fedcba9 |") in text
     assert "(figures/scape99_horizons_bytes.png)" in text
-    json_path = tmp_path / "figures" / "h.json"
-    sh.write_report(sh.write_json(results, p, json_path, PARAMS), json_path,
-                    tmp_path / "quality.md")
+    assert sorted(s["gaps"]) == ["scape99"]
+    # the report merges another checkout's runs (its own record of a run wins) and draws both
+    # views
+    local = {k: v for k, v in results.items() if v["commit"] == "fedcba9"}
+    json_path, other = tmp_path / "figures" / "h.json", tmp_path / "local.json"
+    sh.write_json({k: v for k, v in results.items() if k not in local}, p, json_path, PARAMS)
+    sh.write_json({**local, **{k: {**v, "final_val_loss": 0.0} for k, v in results.items()
+                               if k not in local}}, p, other, PARAMS)
+    assert sh.main(["--report-only", "--json", str(json_path), "--runs-from", str(other),
+                    "--report", str(tmp_path / "quality.md"), "--horizons", "10000",
+                    "--settings", *p.settings]) == 0
+    merged = sh.sq.json_runs(json_path)
+    assert merged == results
     assert (tmp_path / "figures" / "scape99_horizons_bytes.png").stat().st_size > 0
 
 
