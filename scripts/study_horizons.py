@@ -199,8 +199,9 @@ def plan(results: dict, p: Plan) -> list[tuple[HRun, bool]]:
 # AdamS run of the study took 335 s (0.11 s per step once started), SCAPE ~3% more per step.
 # Each run's start and end (5 processes importing torch on 2 cores, the DDP start-up check, the
 # final checkpoint and loss plot) took 45-55 s with other work loading the machine (load 10-14),
-# where a step took 0.14-0.19 s.
-STEP_S = {"dense": 0.11, "scape": 0.115, "local": 0.11}
+# where a step took 0.14-0.19 s. A DiLoCo run (H = 30) makes no per-step collective: 10020
+# steps took 490 s in all, about 0.045 s per step, beside light other work (2026-12-05).
+STEP_S = {"dense": 0.11, "scape": 0.115, "local": 0.045}
 STARTUP_S = 50.0
 
 
