@@ -316,6 +316,12 @@ def _run_end_worker(rank, world, strategy_name, per_worker):
     log = []
     while not log or (log[-1]["progress"] or 0) < 7:     # the trainer's loop: to the agreed end
         log += _steps(strategy, model, len(log) + 1, len(log) + 1, rank)
+    # the run extended to 11 steps (resumed with a larger trainer.max_steps): rounds of H again,
+    # from the step it reached, the last one shorter
+    longer = build_local_strategy(cfg, OPT, model, Comm(), total_steps=11)
+    longer.load_state_dict(strategy.state_dict())
+    while (log[-1]["progress"] or 0) < 11:
+        log += _steps(longer, model, len(log) + 1, len(log) + 1, rank)
     ends = [m for m in log if m["progress"] is not None]
     return {"inner": [m["outer/inner_steps"] for m in ends], "agreed": [m["progress"] for m in ends],
             "round_ends": [m["step"] for m in ends]}
@@ -324,10 +330,10 @@ def _run_end_worker(rank, world, strategy_name, per_worker):
 @pytest.mark.parametrize("strategy_name,per_worker", [("diloco", []), ("gasloc", [3, 2])])
 def test_the_last_round_ends_at_the_runs_last_step(strategy_name, per_worker):
     res = run_distributed(_run_end_worker, 2, (strategy_name, per_worker))
-    assert res[0]["agreed"] == res[1]["agreed"] == [3, 6, 7]
-    assert res[0]["inner"] == [3, 3, 1] and res[0]["round_ends"] == [3, 6, 7]
-    if per_worker:      # H_1 = 2 < H: its rounds are shorter, its last one is the same 1 step
-        assert res[1]["inner"] == [2, 2, 1] and res[1]["round_ends"] == [2, 4, 5]
+    assert res[0]["agreed"] == res[1]["agreed"] == [3, 6, 7, 10, 11]
+    assert res[0]["inner"] == [3, 3, 1, 3, 1] and res[0]["round_ends"] == [3, 6, 7, 10, 11]
+    if per_worker:      # H_1 = 2 < H: its rounds are shorter, its last ones are the same 1 step
+        assert res[1]["inner"] == [2, 2, 1, 2, 1] and res[1]["round_ends"] == [2, 4, 5, 7, 8]
 
 
 def _budget_worker(rank, world):

@@ -17,9 +17,10 @@ does not commit (elastic runs: a participant was lost, ``Comm.commit``) is appli
 worker keeps theta and its inner state, and its drift since the last committed round joins the
 next one (``uncommitted_steps`` counts its inner steps). The trainer makes
 no per-step collective (``synchronous = False``); ``progress`` tells it where rounds end: every
-worker ends round r at its own local step, and there ``progress`` returns the nominal step
-``r * H`` on all of them, capped at ``total_steps`` (``None`` in between), which is where the
-trainer validates, checkpoints and stops.
+worker ends round r at its own local step, and there ``progress`` returns the nominal step on
+all of them: ``r * H``, the last round's shorter length counted as it is (``None`` in between),
+which is where the trainer validates, checkpoints and stops. A run resumed with a larger
+``trainer.max_steps`` goes on from that step in rounds of H.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class LocalStepStrategy(OptimizerStrategy):
         # (a replica healing from a live peer) is taken at its last committed round.
         self.owner = cfg.elastic.replica if cfg.elastic.enabled else comm.rank
         self.rounds_done = 0            # committed rounds
+        self.nominal_step = 0           # the step they stand for (H each; the last one less)
         self.steps_in_round = 0
         self.uncommitted_steps = 0      # inner steps whose drift no committed round holds yet
         self.local_step = 0          # the trainer's step count on this worker
@@ -94,14 +96,11 @@ class LocalStepStrategy(OptimizerStrategy):
 
     # -- the trainer's hooks ---------------------------------------------------------------
     def progress(self, step: int) -> int | None:
-        if step != self.sync_step:
-            return None
-        nominal = self.rounds_done * self.nominal_h
-        return min(nominal, self.total_steps) if self.total_steps else nominal
+        return self.nominal_step if step == self.sync_step else None
 
     def _steps_left(self) -> int | None:
         """Nominal steps from this round's start to the run's end (None: no end given)."""
-        return self.total_steps - self.rounds_done * self.nominal_h if self.total_steps else None
+        return self.total_steps - self.nominal_step if self.total_steps else None
 
     def before_forward(self, step: int) -> None:
         self._step_hint = step
@@ -141,10 +140,13 @@ class LocalStepStrategy(OptimizerStrategy):
 
     def _end_round(self) -> dict[str, float]:
         start = time.perf_counter()
+        left = self._steps_left()
+        length = min(self.nominal_h, left) if left is not None and left > 0 else self.nominal_h
         metrics = self.outer.round(self.rounds_done)
         metrics["outer/inner_steps"] = float(self.steps_in_round)
         if metrics.get("outer/committed", 1.0) > 0:
             self.rounds_done += 1
+            self.nominal_step += length
             self.uncommitted_steps = 0
         metrics["outer/round"] = float(self.rounds_done)
         self.steps_in_round = 0
@@ -157,7 +159,8 @@ class LocalStepStrategy(OptimizerStrategy):
         state: dict[str, Any] = {
             "optimizer": _snapshot_tree(named_state_dict(self.optimizer, self._names)),
             "outer": self.outer.state.state_dict(),
-            "rounds_done": self.rounds_done, "steps_in_round": self.steps_in_round,
+            "rounds_done": self.rounds_done, "nominal_step": self.nominal_step,
+            "steps_in_round": self.steps_in_round,
             "local_step": self.local_step, "sync_step": self.sync_step,
             "uncommitted_steps": self.uncommitted_steps, "owner": self.owner,
         }
@@ -176,7 +179,8 @@ class LocalStepStrategy(OptimizerStrategy):
             "optimizer": named_state_dict(self.optimizer, self._names),
             "outer": {"anchor": dict(zip(st.names, st.anchor)),
                       "y_prev": dict(zip(st.names, st.y_prev))},
-            "rounds_done": self.rounds_done, "steps_in_round": self.steps_in_round,
+            "rounds_done": self.rounds_done, "nominal_step": self.nominal_step,
+            "steps_in_round": self.steps_in_round,
             "local_step": self.local_step, "sync_step": self.sync_step,
             "uncommitted_steps": self.uncommitted_steps, "owner": self.owner,
         }
@@ -200,6 +204,7 @@ class LocalStepStrategy(OptimizerStrategy):
             load_named_state_dict(self.optimizer, state["optimizer"], self._names)
         self.outer.state.load_state_dict(state["outer"])
         self.rounds_done = int(state["rounds_done"])
+        self.nominal_step = int(state.get("nominal_step", self.rounds_done * self.nominal_h))
         self.steps_in_round = int(state["steps_in_round"])
         self.local_step = int(state["local_step"])
         self.sync_step = int(state["sync_step"])
