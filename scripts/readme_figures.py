@@ -62,6 +62,20 @@ def horizon_trend(horizons: dict) -> str:
     return ", ".join(parts) or "not run yet"
 
 
+def local_step_point(horizons: dict) -> str:
+    """The horizon study's best local-step run at its tuning horizon (seed 0), beside SCAPE-99
+    there: each with its gap to dense AdamS and its bytes over the run."""
+    s = horizons["summary"]
+    points = {p["candidate"]: p for p in s["frontier"]}
+    local = [p for p in points.values() if p["family"] in ("DiLoCo", "GASLoC")]
+    if not local or BASELINE not in points or REFERENCE not in points:
+        return ""
+    best, base, ref = min(local, key=lambda p: p["seed0"]), points[BASELINE], points[REFERENCE]
+    return (f"; at {s['tune_steps']:,} steps the best local-step run, {best['label']}, ends "
+            f"{best['seed0'] - base['seed0']:+.3f} at {best['sent_bytes'] / 1e6:,.0f} MB, SCAPE-99 "
+            f"{ref['seed0'] - base['seed0']:+.3f} at {ref['sent_bytes'] / 1e6:,.0f} MB (seed 0)")
+
+
 def headline(speed: dict, vol: list, study: dict, search: dict) -> str:
     s = speedups(speed)
     row, frac = recommended(search)
@@ -110,7 +124,8 @@ def results(speed: dict, vol: list, study: dict, search: dict, cuda: dict, ops: 
         f"best: {step['best']['label']}, {step['best']['gap_seed0']:+.3f} (seed 0) | "
         "[quality.md](docs/quality.md) |",
         f"| SCAPE-99's gap against the horizon, lr tuned at "
-        f"{horizons['summary']['tune_steps']:,} steps | {horizon_trend(horizons)} | "
+        f"{horizons['summary']['tune_steps']:,} steps | {horizon_trend(horizons)}"
+        f"{local_step_point(horizons)} | "
         "[quality.md](docs/quality.md#the-gap-against-tokens-per-parameter) |",
         f"| bytes moved per parameter by the optimizer step (CUDA path, Triton, d 0.1) | "
         f"{b['CUDA path, Triton, replicated, d=0.1']['bytes_per_param']:.1f} (dense AdamS "

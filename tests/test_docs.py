@@ -60,6 +60,18 @@ def test_the_readme_reads_the_horizon_trend_from_the_study_summary():
                      "+0.100 [+0.000, +0.200] at 10,000 steps (11.1 tokens/param, 3 seeds), "
                      "+0.100 at 30,000 steps (33.3 tokens/param, 1 seed)")
     assert readme_figures.horizon_trend({"summary": {"gaps": {}}}) == "not run yet"
+    # the best local-step run at the tuning horizon beside SCAPE-99, each against dense AdamS
+    front = [{"candidate": c, "label": c, "family": f, "seed0": loss, "sent_bytes": mb * 1e6}
+             for c, f, loss, mb in (("adams", "dense AdamS", 3.4, 55000),
+                                    ("scape99", "SCAPE", 3.5, 1846),
+                                    ("diloco_h30", "DiLoCo", 3.8, 1844),
+                                    ("gasloc_h30", "GASLoC", 3.7, 2400))]
+    summary = {"summary": {"tune_steps": 10000, "frontier": front}}
+    assert readme_figures.local_step_point(summary) == (
+        "; at 10,000 steps the best local-step run, gasloc_h30, ends +0.300 at 2,400 MB, "
+        "SCAPE-99 +0.100 at 1,846 MB (seed 0)")
+    assert readme_figures.local_step_point({"summary": {"tune_steps": 10000,
+                                                        "frontier": front[:2]}}) == ""
 
 
 def test_every_marked_section_is_registered_once():
