@@ -454,9 +454,8 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
                   "a rank sent, in total and per steady step (after the density warm-up; a "
                   "local-step method's is its exchange averaged over its H steps). 'Best at "
                   "these bytes' is the lowest loss among the settings that send no more, in total "
-                  "and per steady step. The runs' code commit is in the last column (these are "
-                  "not paired gaps; a later commit that changed only local-step training leaves "
-                  "dense and SCAPE runs as they were):", "",
+                  "and per steady step. Each run's code commit is in the last column: points "
+                  "of different commits are set side by side here, never paired:", "",
                   "| setting | lr | final val loss | MB sent per rank | KB per steady step | "
                   "best at these bytes | best at these bytes per step | commit |",
                   "|---|---|---|---|---|---|---|---|"]
