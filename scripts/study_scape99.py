@@ -481,8 +481,8 @@ def render_frontier(front: dict, fig_rel: str) -> str:
         lines.append(f"| {pt['family']} | {pt['label']} (`{pt['candidate']}`) | {pt['lr']:g} | "
                      f"{pt['sent_bytes'] / 1e6:,.1f} | "
                      f"{g(None if step is None else step / 1e3, ',.1f')} | {pt['seed0']:.4f} | "
-                     f"{gap_cell(pt)} | {paired_cell(pt['paired'])} | {best_cell(pt, 'best_within')} | "
-                     f"{best_cell(pt, 'best_within_per_step')} |")
+                     f"{gap_cell(pt)} | {paired_cell(pt['paired'])} | "
+                     f"{best_cell(pt, 'best_within')} | {best_cell(pt, 'best_within_per_step')} |")
     lines += ["", f"![final loss against bytes, total and per step]({fig_rel}/frontier.png)", "",
               f"The runs: `{fig_rel}/scape99_search.json` (its `frontier` key holds this table). "
               "Regenerate with `.venv/bin/python scripts/study_scape99.py --report-only`.", "",

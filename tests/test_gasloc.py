@@ -323,8 +323,8 @@ def _run_end_worker(rank, world, strategy_name, per_worker):
     while (log[-1]["progress"] or 0) < 11:
         log += _steps(longer, model, len(log) + 1, len(log) + 1, rank)
     ends = [m for m in log if m["progress"] is not None]
-    return {"inner": [m["outer/inner_steps"] for m in ends], "agreed": [m["progress"] for m in ends],
-            "round_ends": [m["step"] for m in ends]}
+    return {"inner": [m["outer/inner_steps"] for m in ends],
+            "agreed": [m["progress"] for m in ends], "round_ends": [m["step"] for m in ends]}
 
 
 @pytest.mark.parametrize("strategy_name,per_worker", [("diloco", []), ("gasloc", [3, 2])])
