@@ -200,25 +200,30 @@ def plan(results: dict, p: Plan) -> list[tuple[HRun, bool]]:
 # Each run's start and end (5 processes importing torch on 2 cores, the DDP start-up check, the
 # final checkpoint and loss plot) took 45-55 s with other work loading the machine (load 10-14),
 # where a step took 0.14-0.19 s. A DiLoCo run (H = 30) makes no per-step collective: 10020
-# steps took 490 s in all, about 0.045 s per step, beside light other work (2026-12-05).
-STEP_S = {"dense": 0.11, "scape": 0.115, "local": 0.045}
+# steps took 490 s in all, about 0.045 s per step, beside light other work (2026-12-05); GASLoC's
+# runs took as long.
+STEP_S = {"dense": 0.11, "scape": 0.115, "diloco": 0.045, "gasloc": 0.045}
 STARTUP_S = 50.0
 
 
 FAMILIES = {"dense": "dense AdamS", "scape": "SCAPE", "diloco": "DiLoCo", "gasloc": "GASLoC"}
 
 
-def family(setting: str) -> str:
-    """The setting's family on the bytes views: dense, SCAPE, or its local-step strategy."""
+def family_key(setting: str) -> str:
+    """dense, scape, or the setting's local-step strategy (diloco, gasloc)."""
     c = s99.CANDIDATES[setting]
-    return FAMILIES[c.strategy if c.strategy != "data_parallel" else (
-        "scape" if c.optimizer == "scape" else "dense")]
+    return c.strategy if c.strategy != "data_parallel" else (
+        "scape" if c.optimizer == "scape" else "dense")
+
+
+def family(setting: str) -> str:
+    """The setting's family on the bytes views."""
+    return FAMILIES[family_key(setting)]
 
 
 def estimate_s(run: HRun) -> float:
-    kind = {"SCAPE": "scape", "dense AdamS": "dense"}.get(family(run.setting), "local")
     checkpoints = run.steps // CHECKPOINT_EVERY
-    return STARTUP_S + run.steps * STEP_S[kind] + 0.5 * checkpoints
+    return STARTUP_S + run.steps * STEP_S[family_key(run.setting)] + 0.5 * checkpoints
 
 
 # ------------------------------------------------------------------------------ the report
@@ -520,7 +525,7 @@ def write_report(payload: dict, json_path: Path, report: Path) -> None:
     summary = payload["summary"]
     plot_horizons(summary, json_path.parent / "scape99_horizons.png")
     if summary["frontier"]:
-        local = {"DiLoCo", "GASLoC"}
+        local = {FAMILIES["diloco"], FAMILIES["gasloc"]}
         s99.plot_bytes_views(
             [{**pt, "tag": (f"H {s99.CANDIDATES[pt['candidate']].inner_steps}"
                             if pt["family"] in local else pt["candidate"], pt["family"] in local)}
