@@ -117,6 +117,19 @@ class ElasticJob:
         self.wait_until(lambda: sum(1 for r in self.rounds(slot) if r["pid"] == pid) >= n,
                         f"worker {slot}: {n} rounds", limit_s)
 
+    def wait_mid_round(self, slot: int, limit_s: float = 120.0) -> None:
+        """Until worker ``slot`` is inside a round that every launched worker is in: worker 0
+        committed a round with all of them (a worker slow to start on a loaded machine may have
+        trained alone until then), and ``slot`` has since logged two more steps (one line per
+        step, written after any exchange that step ended), so it is past the next quorum and
+        before that round's exchange. A worker stopped there makes its peers' exchange fail."""
+        everyone = sorted(self.workers)
+        self.wait_until(lambda: any(r["committed"] and r["quorum"] == everyone
+                                    for r in self.rounds(0)),
+                        f"a round of workers {everyone}", limit_s)
+        self.wait_until(fj.metrics_lines(self.run_dir(slot), 1), f"worker {slot} mid-round",
+                        limit_s)
+
     def wait_done(self, slots, limit_s: float = 150.0) -> None:
         self.wait_until(lambda: all(self.workers[s].poll() is not None for s in slots),
                         f"workers {list(slots)} to finish", limit_s)

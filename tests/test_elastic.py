@@ -139,7 +139,7 @@ def test_fault_free_workers_hold_the_same_parameters(fault_free):
 
 def test_worker_killed_at_an_inner_step(job_factory, fault_free):
     job = job_factory(f"trainer.max_steps={ROUNDS * H}")
-    job.wait_until(fj.metrics_lines(job.run_dir(2), 3 * H + 2), "worker 2 mid-round 4")
+    job.wait_mid_round(2)
     job.signal(2, signal.SIGKILL)
     job.wait_done([0, 1])
     same_params(job, [0, 1])
@@ -172,8 +172,9 @@ def test_worker_killed_at_the_outer_round(job_factory, fault_free):
 def test_worker_frozen_past_the_timeout_then_heals(job_factory):
     job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
     # frozen mid-round, so that its peers' exchange waits for it until the timeout (frozen
-    # between its vote and the next quorum, it would only miss that quorum)
-    job.wait_until(fj.metrics_lines(job.run_dir(2), 2 * H + 2), "worker 2 mid-round 3")
+    # between its vote and the next quorum, or before the others first met it, it would only
+    # miss a quorum)
+    job.wait_mid_round(2)
     job.signal(2, signal.SIGSTOP)
     frozen = len(job.rounds(0))
     job.wait_until(lambda: len([r for r in job.rounds(0) if r["quorum"] == [0, 1]
@@ -194,7 +195,7 @@ def test_worker_frozen_past_the_timeout_then_heals(job_factory):
 @pytest.mark.slow
 def test_killed_worker_restarts_resumes_its_shard_and_heals(job_factory):
     job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
-    job.wait_until(fj.metrics_lines(job.run_dir(2), 3 * H + 2), "worker 2 mid-round 4")
+    job.wait_mid_round(2)
     job.signal(2, signal.SIGKILL)
     job.workers[2].wait()
     job.start(2)
@@ -239,7 +240,7 @@ def test_lighthouse_killed_and_restarted(job_factory):
 def test_gasloc_2peer_worker_killed_peers_drawn_among_the_live(job_factory):
     job = job_factory(f"trainer.max_steps={ROUNDS * H}", "strategy.topology=2peer",
                       strategy="gasloc")
-    job.wait_until(fj.metrics_lines(job.run_dir(2), 3 * H + 2), "worker 2 mid-round 4")
+    job.wait_mid_round(2)
     job.signal(2, signal.SIGKILL)
     job.wait_done([0, 1])
     for s in (0, 1):
