@@ -255,6 +255,13 @@ class Comm:
         depends on how often a run was stopped and resumed, not on the optimizer)."""
         return self.sent_before + _data_bytes(self.stats)
 
+    def restore_total(self, sent_bytes: int) -> None:
+        """The run's total as a checkpoint saved it. What this process sent before loading it
+        (a local-step strategy's start-up broadcast of the parameters, which the loaded state
+        overwrites) stays in this window's per-kind figures but not in the total, so a run's
+        total does not depend on how often it was resumed."""
+        self.sent_before = sent_bytes - _data_bytes(self.stats)
+
     def pop_stats(self) -> dict[str, float]:
         """Flat metrics since the last pop (``comm/<kind>_sent_bytes`` ...); resets.
 

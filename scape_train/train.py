@@ -268,7 +268,7 @@ class Trainer:
         self.train_loader.load_state_dict(own["data"])
         set_rng_state(own["rng"])
         self.state = TrainState(**train)
-        self.comm.sent_before = self.state.sent_bytes
+        self.comm.restore_total(self.state.sent_bytes)
         log.info("resumed from %s at step %d", path, self.state.step)
 
     def _load_strategy(self, replicated: dict, per_rank: dict, shards=None) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -92,3 +93,9 @@ def wandb_config_keys(run_dir: Path) -> set[str]:
             items = r.run.config.update if kind == "run" else r.config.update
             keys.update(item.key or item.nested_key[0] for item in items)
     return keys
+
+
+def total_sent_bytes(run_dir: Path) -> int:
+    """The run's total data bytes sent, as its last ``metrics.jsonl`` row with them says."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "comm/total_sent_bytes" in r][-1]["comm/total_sent_bytes"]

@@ -19,6 +19,7 @@ from scape_train.optim.local.gasloc import GASLoC
 from scape_train.optim.local.topology import mixing_matrix, peers
 from tests._dist import run_distributed
 from tests._optim_common import batch, flat_params, loss_fn, tiny_model
+from tests.helpers import total_sent_bytes
 
 SHAPES = [(4, 5), (7,), (3, 3)]
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
@@ -422,6 +423,28 @@ def test_trainer_with_per_worker_inner_steps_checkpoints_and_resumes(tmp_path):
     assert first[0][0] == first[1][0] and first[0][0].endswith("step_00000004")
     second = run_distributed(_hetero_trainer_worker, 2, (str(tmp_path), tok, True))
     assert second[0] == second[1] and second[0][0].endswith("step_00000008")
+
+
+def _diloco_trainer_worker(rank, world, run_dir, tok_cache, *extra):
+    from scape_train.train import run
+    from tests.helpers import SMALL, compose_config
+
+    cfg = compose_config(SMALL + [f"run_dir={run_dir}", f"data.tokenizer.cache_dir={tok_cache}",
+                                  "strategy=diloco", "strategy.inner_steps=2",
+                                  "trainer.max_steps=6", *extra])
+    return run(cfg).get("val_loss")
+
+
+@pytest.mark.slow
+def test_a_resumed_runs_total_bytes_equal_the_uninterrupted_runs(tmp_path):
+    """The start-up broadcast of the parameters is counted once per run, not once per resume
+    (the loaded checkpoint overwrites what it sent)."""
+    tok = str(tmp_path / "tok")
+    whole = run_distributed(_diloco_trainer_worker, 2, (str(tmp_path / "whole"), tok))
+    run_distributed(_diloco_trainer_worker, 2, (str(tmp_path / "cut"), tok, "trainer.stop_after=4"))
+    again = run_distributed(_diloco_trainer_worker, 2, (str(tmp_path / "cut"), tok, "resume=auto"))
+    assert again == whole
+    assert total_sent_bytes(tmp_path / "cut") == total_sent_bytes(tmp_path / "whole") > 0
 
 
 EXPERIMENTS = ["tiny_diloco", "tiny_gasloc_2peer", "gasloc_134m_h30", "gasloc_1peer_134m_h30",

@@ -14,7 +14,8 @@ from scape_train.checkpoint import CheckpointError, CheckpointManager
 from scape_train.train import NonFiniteLossError, run
 from tests import _fault_job as fj
 from tests._dist import run_distributed
-from tests.helpers import SMALL, compose_config, wandb_config_keys, wandb_history
+from tests.helpers import (SMALL, compose_config, total_sent_bytes, wandb_config_keys,
+                           wandb_history)
 
 
 
@@ -169,10 +170,7 @@ def test_scape_two_ranks_exact_resume(tmp_path, tok_cache, extra):
     assert any(r.get("comm/payload_sent_bytes", 0) > 0 for r in rows)
     assert any(0 < r.get("scape/density", 1) < 1 for r in rows)
     # the run's total bytes survive the resume
-    def total(run_dir):
-        rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return [r["comm/total_sent_bytes"] for r in rows if "comm/total_sent_bytes" in r][-1]
-    assert total(tmp_path / "sliced") == total(tmp_path / "straight") > 0
+    assert total_sent_bytes(tmp_path / "sliced") == total_sent_bytes(tmp_path / "straight") > 0
 
 
 def test_activation_checkpointing_and_bf16_autocast_train(tmp_path, tok_cache):
