@@ -192,6 +192,9 @@ class Trainer:
                 shard, shards = cfg.strategy.elastic.replica, cfg.strategy.elastic.slots
             self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model, outer_comm,
                                                  total_steps=cfg.trainer.max_steps)
+        # the group this run's training exchange goes over (elastic: across the replica groups,
+        # not the worker's own): its bytes are the ones logged, checkpointed and restored
+        self.train_comm = self.comm if self.replica is None else self.replica.comm
         # The step's flags are read one step late where nothing waits on them: a stop policy on
         # a synchronous strategy (all ranks stop together). A skip must be decided before the
         # update, and a local-step worker must not take a non-finite drift into its round.
@@ -204,8 +207,9 @@ class Trainer:
                                              info.rank, info.world_size)
         self.state = TrainState()
         self._maybe_resume()
-        if self.replica is not None:   # newer than any checkpoint: the last committed round's
-            self.replica.resume_cursor(self.train_loader)
+        self.record_step = self.state.step   # where metrics.jsonl and W&B continue from
+        if self.replica is not None:
+            self._resume_worker_cursor()
         t = cfg.trainer   # checkpoint-wrap, then compile, each block; the loss's chunking
         prepare_for_training(self.model, t.activation_checkpointing,
                              compile_enabled(t.compile, info.device), t.loss_chunk_tokens)
@@ -268,8 +272,22 @@ class Trainer:
         self.train_loader.load_state_dict(own["data"])
         set_rng_state(own["rng"])
         self.state = TrainState(**train)
-        self.comm.restore_total(self.state.sent_bytes)
+        self.train_comm.restore_total(self.state.sent_bytes)
         log.info("resumed from %s at step %d", path, self.state.step)
+
+    def _resume_worker_cursor(self) -> None:
+        """An elastic worker's cursor, newer than any checkpoint: its data position and its own
+        record at its last committed round (tokens, bytes sent, W&B run; metrics.jsonl keeps
+        the rows up to that step). The step and the parameters come from the quorum, when this
+        worker heals from a live peer at its first round."""
+        record = self.replica.resume_cursor(self.train_loader)
+        if record is None:
+            return
+        own = TrainState(**record)
+        self.state.tokens = own.tokens
+        self.state.wandb_run_id = own.wandb_run_id or self.state.wandb_run_id
+        self.train_comm.restore_total(own.sent_bytes)
+        self.record_step = max(self.record_step, own.step)
 
     def _load_strategy(self, replicated: dict, per_rank: dict, shards=None) -> dict:
         """The strategy from a checkpoint's pieces (or, elastic, a live peer's); returns the
@@ -306,7 +324,7 @@ class Trainer:
         time.sleep(self.fault_save_delay_s)
         # Each piece once, by the rank that holds it: the strategy says which part of its state
         # is replicated, owner-sharded or per rank; tensors go to disk from where they live.
-        self.state.sent_bytes = self.comm.total_sent_bytes()
+        self.state.sent_bytes = self.train_comm.total_sent_bytes()
         parts = trainer_parts(self.strategy.checkpoint_state(), data=self.train_loader.state_dict(),
                               rng=get_rng_state(), train=dataclasses.asdict(self.state),
                               synchronous=self.strategy.synchronous)
@@ -412,13 +430,13 @@ class Trainer:
             self.tokenizer.save_pretrained(self.run_dir / "tokenizer")
             wandb_run, self.state.wandb_run_id = init_wandb(
                 cfg.logging.wandb, cfg.run_name, self.run_dir, resolved, self.state.wandb_run_id,
-                step=self.state.step)
+                step=self.record_step)
             from scape_train.summary import report_startup
 
             report_startup(self, wandb_run)   # printed once; W&B config/summary when active
         self.state.wandb_run_id = D.broadcast_object(self.state.wandb_run_id, info)
         logger = MetricsLogger(self.run_dir, info.is_main, t.max_steps,
-                               cfg.logging.progress_bar, wandb_run, self.state.step)
+                               cfg.logging.progress_bar, wandb_run, self.record_step)
         timer = StepTimer(info.device)
         summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         window_start, window_steps = time.perf_counter(), 0
@@ -454,9 +472,9 @@ class Trainer:
                         tok_s = self.tokens_per_step * window_steps / elapsed
                         metrics.update({f"time/{k}_s": v / window_steps for k, v in timer.pop().items()})
                         # per-step means over the logging window
-                        outer = self.comm if self.replica is None else self.replica.comm
-                        metrics.update({k: v / window_steps for k, v in outer.pop_stats().items()})
-                        metrics["comm/total_sent_bytes"] = outer.total_sent_bytes()
+                        metrics.update({k: v / window_steps
+                                        for k, v in self.train_comm.pop_stats().items()})
+                        metrics["comm/total_sent_bytes"] = self.train_comm.total_sent_bytes()
                         if self.replica is not None:
                             metrics.update(self.replica.metrics())
                         metrics.update(self.train_loader.metrics())
@@ -469,7 +487,9 @@ class Trainer:
                     if agreed is None:
                         continue
                     if self.replica is not None:
-                        self.replica.end_round(self.train_loader.state_dict(), step)
+                        self.state.sent_bytes = self.train_comm.total_sent_bytes()
+                        self.replica.end_round(self.train_loader.state_dict(),
+                                               dataclasses.asdict(self.state))
                     if stopping:
                         stop.agreed = True  # same path as a preemption: checkpoint, exit
                     if evaluating:

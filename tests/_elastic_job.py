@@ -144,7 +144,10 @@ class ElasticJob:
     def final_params(self, slot: int) -> dict[str, torch.Tensor]:
         return fj.final_params(self.run_dir(slot))
 
+    def metrics(self, slot: int) -> list[dict]:
+        """Worker ``slot``'s ``metrics.jsonl`` rows."""
+        path = self.run_dir(slot) / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
     def val_loss(self, slot: int) -> float:
-        rows = [json.loads(line) for line in
-                (self.run_dir(slot) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        return [r["val_loss"] for r in rows if "val_loss" in r][-1]
+        return [r["val_loss"] for r in self.metrics(slot) if "val_loss" in r][-1]

@@ -100,6 +100,19 @@ def check_tokens(job: ElasticJob, slot: int) -> int:
     return committed_before
 
 
+def one_record(job: ElasticJob, slot: int, first_life: list[dict]) -> None:
+    """Worker ``slot``'s metrics are one record over all its lives: the steps never go back, the
+    rows its first life logged are kept up to its last committed round, and its counters (tokens,
+    total bytes sent) continue in a restarted life rather than starting again at 0."""
+    rows = job.metrics(slot)
+    steps = [r["step"] for r in rows]   # a validation row shares its step with a train row
+    assert steps == sorted(steps), steps
+    assert rows[0] == first_life[0], (rows[0], first_life[0])
+    for key in ("tokens", "comm/total_sent_bytes"):
+        values = [(r["step"], r[key]) for r in rows if key in r]
+        assert [v for _, v in values] == sorted(v for _, v in values), (key, values)
+
+
 def close_loss(job: ElasticJob, slot: int, reference: float) -> None:
     loss = job.val_loss(slot)
     assert abs(loss - reference) < LOSS_TOL, (loss, reference)
@@ -198,11 +211,13 @@ def test_killed_worker_restarts_resumes_its_shard_and_heals(job_factory):
     job.wait_mid_round(2)
     job.signal(2, signal.SIGKILL)
     job.workers[2].wait()
+    first_life = job.metrics(2)
     job.start(2)
     job.wait_done([0, 1, 2], limit_s=300)
     same_params(job, [0, 1, 2])
     for s in range(3):
         check_tokens(job, s)   # worker 2: resumed at its last committed batch
+    one_record(job, 2, first_life)
     assert rounds_to_rejoin(job, 2, survivor=0) <= 2
     assert any(not r["committed"] for s in (0, 1) for r in job.rounds(s)), "no round failed"
 

@@ -6,7 +6,7 @@ what it records about the quorum (who joined, who left, which rounds failed, whe
     each round:  group.begin_round()        # quorum from the lighthouse; a worker that is behind
                                             # heals here from a live peer (load_fn)
                  ... H inner steps, the outer round (its vote: group.comm.commit()) ...
-                 group.end_round(loader_state)   # after a commit: this worker's data cursor
+                 group.end_round(loader_state, record)   # after a commit: this worker's cursor
 
 The quorum is taken synchronously at the start of each round (``use_async_quorum=False``), so a
 worker that heals does so before its inner steps and takes part in that very round. A worker is
@@ -14,10 +14,12 @@ replica group ``replica_<slot>``: torchft reads the slot back from that name to 
 quorum's members, which is how joins and leaves are named here.
 
 Data position: slot ``s`` reads shard ``s`` of ``slots`` shards of the stream. After every
-committed round the worker writes its loader state to ``<run_dir>/elastic_cursor.pt``; a worker
+committed round the worker writes its cursor to ``<run_dir>/elastic_cursor.pt``: its loader state
+and its own record (the trainer's counters: step, tokens, bytes sent, W&B run). A worker
 restarted with the same run directory and slot resumes its own shard there, so the batches of
-its unfinished round are read again (none skipped) and none it committed is read twice. A new
-slot starts its shard at the beginning.
+its unfinished round are read again (none skipped) and none it committed is read twice, and its
+record continues rather than starting again at 0. A round that fails updates only the bytes sent
+(they were sent). A new slot starts its shard at the beginning.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class ReplicaGroup:
         self.failed_rounds: list[int] = []          # rounds whose vote failed here
         self.quorum_s = 0.0                         # time spent waiting for quorums
         self._healed_now = False
+        self._cursor: dict | None = None            # as last written to CURSOR_FILE
         self._events = open(self.run_dir / EVENTS_FILE, "a")
         # Fault injection for tests (docs/reliability.md), off unless set:
         # SCAPE_FAULT_KILL_AT_VOTE=R SIGKILLs this worker in round R after its exchange, before
@@ -164,15 +167,13 @@ class ReplicaGroup:
             lines.append(f"elastic: replica {self.slot} healed from a live peer at round {t}")
         return lines
 
-    def end_round(self, loader_state: dict, step: int) -> None:
-        """After the outer round: record its outcome; after a commit, keep the data cursor."""
+    def end_round(self, loader_state: dict, record: dict) -> None:
+        """After the outer round: record its outcome; after a commit, keep the cursor (the data
+        position and the trainer's ``record``, whose ``sent_bytes`` a failed round updates)."""
         committed = bool(self.comm.last_vote)
         t = self.manager.current_step()
         if committed:
-            path = self.run_dir / CURSOR_FILE
-            torch.save({"slot": self.slot, "round": t, "loader": loader_state},
-                       path.with_suffix(".tmp"))
-            os.replace(path.with_suffix(".tmp"), path)
+            self._cursor = {"slot": self.slot, "round": t, "loader": loader_state, "record": record}
         else:
             self.failed_rounds.append(t)
             error = self.comm.last_error
@@ -180,7 +181,13 @@ class ReplicaGroup:
                 else "another participant's exchange failed"
             log.warning("elastic: round %d did not commit (%s); this worker keeps its parameters "
                         "and its drift joins the next round", t, cause)
-        self._write({"slot": self.slot, "round": t, "step": step,
+            if self._cursor is not None and "record" in self._cursor:
+                self._cursor["record"] = {**self._cursor["record"], "sent_bytes": record["sent_bytes"]}
+        if self._cursor is not None:
+            path = self.run_dir / CURSOR_FILE
+            torch.save(self._cursor, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+        self._write({"slot": self.slot, "round": t, "step": record["step"],
                "committed": committed, "quorum": self.members, "healed": self._healed_now,
                "batches": loader_state["counters"]["batches"]})
 
@@ -189,21 +196,24 @@ class ReplicaGroup:
         self._events.write(json.dumps({"time": time.time(), "pid": os.getpid(), **row}) + "\n")
         self._events.flush()
 
-    def resume_cursor(self, loader) -> bool:
-        """Load this slot's data cursor of its last committed round, if it has one."""
+    def resume_cursor(self, loader) -> dict | None:
+        """Load this slot's data position of its last committed round, if it has a cursor; returns
+        the trainer's record saved with it (``None`` without a cursor, or one written before
+        cursors held it)."""
         path = self.run_dir / CURSOR_FILE
         if not path.exists():
-            return False
+            return None
         saved = torch.load(path, map_location="cpu", weights_only=False)
         if saved["slot"] != self.slot:
             raise ValueError(f"{path} holds the data cursor of slot {saved['slot']}, but this "
                              f"worker is slot {self.slot}: give each worker its own run_dir")
         loader.load_state_dict(saved["loader"])
+        self._cursor = saved
         self._write({"slot": self.slot, "resumed_round": saved["round"],
                      "resumed_batches": saved["loader"]["counters"]["batches"]})
         log.info("elastic: slot %d resumes its data shard where it last committed (round %d)",
                  self.slot, saved["round"])
-        return True
+        return saved.get("record")
 
     # -- what users see ----------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
