@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -95,7 +96,35 @@ def wandb_config_keys(run_dir: Path) -> set[str]:
     return keys
 
 
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """A run's ``metrics.jsonl`` rows."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def total_sent_bytes(run_dir: Path) -> int:
     """The run's total data bytes sent, as its last ``metrics.jsonl`` row with them says."""
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "comm/total_sent_bytes" in r][-1]["comm/total_sent_bytes"]
+    return [r for r in metrics_rows(run_dir) if "comm/total_sent_bytes" in r][-1][
+        "comm/total_sent_bytes"]
+
+
+# Columns measured by a clock or by the machine (and the loader's queue depth, which depends on
+# how far its producer got): they differ between any two runs. And the control flags' bytes
+# (stop, checkpoint and loss agreement, in every kind's window sum too), which depend on how
+# often a run was stopped: the run's total leaves them out for that reason.
+MEASURED = re.compile(r"^(time|time/.*|step_time_s|tokens_per_s|mfu|mem/.*|data/queue|.*wait_s"
+                      r"|comm/control_.*|comm/(sent|recv)_bytes)$")
+
+
+def assert_same_record(a: Path, b: Path) -> None:
+    """Two runs' ``metrics.jsonl`` hold the same rows in every column not measured by a clock or
+    the machine (loss, lr, grad norm, tokens, bytes sent per kind and in total, optimizer and
+    strategy metrics): what a resumed run must log as the uninterrupted one does."""
+    rows_a, rows_b = metrics_rows(a), metrics_rows(b)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    for ra, rb in zip(rows_a, rows_b):
+        keep_a = {k: v for k, v in ra.items() if not MEASURED.match(k)}
+        keep_b = {k: v for k, v in rb.items() if not MEASURED.match(k)}
+        diff = {k: (keep_a.get(k), keep_b.get(k)) for k in keep_a.keys() | keep_b.keys()
+                if keep_a.get(k) != keep_b.get(k)}
+        assert not diff, f"step {ra['step']}: {diff}"

@@ -21,7 +21,7 @@ import pytest
 from scape_train.checkpoint import CheckpointManager
 from scape_train.train import run
 from tests import _fault_job as fj
-from tests.helpers import compose_config
+from tests.helpers import assert_same_record, compose_config
 
 MAX_STEPS = 14
 DENSE = [f"trainer.max_steps={MAX_STEPS}", "trainer.keep_last=2"]
@@ -84,6 +84,7 @@ def test_sigkill_dense_resumes_bit_for_bit(tmp_path, cache):
     outcomes = kill_and_resume(tmp_path, cache, extra, plans, seed)
     _check_kills(outcomes, seed)
     fj.assert_same_params(reference(tmp_path, cache, DENSE), fj.final_params(tmp_path / "killed"))
+    assert_same_record(tmp_path / "reference", tmp_path / "killed")   # metrics kept once each
 
 
 @pytest.mark.slow
@@ -94,6 +95,7 @@ def test_sigkill_scape_resumes_bit_for_bit(tmp_path, cache):
     outcomes = kill_and_resume(tmp_path, cache, extra, plans, seed)
     _check_kills(outcomes, seed)
     fj.assert_same_params(reference(tmp_path, cache, SCAPE), fj.final_params(tmp_path / "killed"))
+    assert_same_record(tmp_path / "reference", tmp_path / "killed")   # metrics kept once each
 
 
 def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, cache):
@@ -112,6 +114,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, cache):
                                               "resume=auto")))
     assert summary["step"] == MAX_STEPS
     fj.assert_same_params(reference(tmp_path, cache, DENSE), fj.final_params(run_dir))
+    assert_same_record(tmp_path / "reference", run_dir)
 
 
 # ---------------------------------------------------------------- preemption under torchrun/Slurm

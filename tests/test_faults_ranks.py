@@ -23,7 +23,7 @@ from scape_train.checkpoint import CheckpointManager
 from scape_train.train import run
 from tests import _fault_job as fj
 from tests._dist import free_port, run_distributed
-from tests.helpers import compose_config
+from tests.helpers import assert_same_record, compose_config
 
 TIMEOUT_S = 10
 
@@ -171,6 +171,7 @@ def test_torchrun_max_restarts_resumes_from_last_checkpoint(tmp_path, cache, opt
     run_distributed(_reference_2ranks, 2, (str(ref), cache, job))
     # SCAPE: bit for bit only if every rank's residuals and the masks came back from the checkpoint
     fj.assert_same_params(fj.final_params(ref), fj.final_params(tmp_path / "run"))
+    assert_same_record(ref, tmp_path / "run")   # tokens and bytes sent continue across the restart
 
 
 @pytest.mark.slow
@@ -190,3 +191,4 @@ def test_torchrun_restarts_running_out_end_clearly_with_the_last_checkpoint_inta
     ref = tmp_path / "reference"
     run_distributed(_reference_2ranks, 2, (str(ref), cache, job))
     fj.assert_same_params(fj.final_params(ref), fj.final_params(tmp_path / "run"))
+    assert_same_record(ref, tmp_path / "run")

@@ -19,7 +19,7 @@ from scape_train.optim.local.gasloc import GASLoC
 from scape_train.optim.local.topology import mixing_matrix, peers
 from tests._dist import run_distributed
 from tests._optim_common import batch, flat_params, loss_fn, tiny_model
-from tests.helpers import total_sent_bytes
+from tests.helpers import assert_same_record, total_sent_bytes
 
 SHAPES = [(4, 5), (7,), (3, 3)]
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
@@ -428,6 +428,7 @@ def test_a_resumed_runs_total_bytes_equal_the_uninterrupted_runs(tmp_path):
     again = run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *diloco, "resume=auto"))
     assert [r[1] for r in again] == [r[1] for r in whole]
     assert total_sent_bytes(tmp_path / "cut") == total_sent_bytes(tmp_path / "whole") > 0
+    assert_same_record(tmp_path / "whole", tmp_path / "cut")   # every column but the clock's
 
 
 EXPERIMENTS = ["tiny_diloco", "tiny_gasloc_2peer", "gasloc_134m_h30", "gasloc_1peer_134m_h30",
