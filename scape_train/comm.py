@@ -256,10 +256,9 @@ class Comm:
         return self.sent_before + _data_bytes(self.stats)
 
     def restore_total(self, sent_bytes: int) -> None:
-        """The run's total as a checkpoint saved it. What this process sent before loading it
-        (a local-step strategy's start-up broadcast of the parameters, which the loaded state
-        overwrites) stays in this window's per-kind figures but not in the total, so a run's
-        total does not depend on how often it was resumed."""
+        """The run's total as a checkpoint saved it. Anything this process sent before loading
+        it stays in this window's per-kind figures but not in the total, so a run's total does
+        not depend on how often it was resumed."""
         self.sent_before = sent_bytes - _data_bytes(self.stats)
 
     def pop_stats(self) -> dict[str, float]:
@@ -272,8 +271,9 @@ class Comm:
             for start, end in s.events:
                 end.synchronize()
                 s.wait_s += start.elapsed_time(end) / 1e3
-            out[f"comm/{kind}_sent_bytes"] = s.sent_bytes
-            out[f"comm/{kind}_recv_bytes"] = s.recv_bytes
+            if s.calls:   # a kind only waited for here (issued in an earlier window) sent nothing now
+                out[f"comm/{kind}_sent_bytes"] = s.sent_bytes
+                out[f"comm/{kind}_recv_bytes"] = s.recv_bytes
             out[f"comm/{kind}_wait_s"] = s.wait_s
             total_sent += s.sent_bytes
             total_wait += s.wait_s

@@ -176,6 +176,7 @@ class Trainer:
             load_init_weights(self.model, cfg.init_from)
         self.replica = None       # elastic runs: this worker's torchft replica group
         shard, shards = info.rank, info.world_size
+        resume_from = self._resume_path()   # agreed by every rank; loaded below
         if cfg.strategy.name == "data_parallel":
             self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm,
                                             total_steps=cfg.trainer.max_steps)
@@ -190,8 +191,10 @@ class Trainer:
                                             self._replica_state, self._load_replica_state)
                 outer_comm = self.replica.comm
                 shard, shards = cfg.strategy.elastic.replica, cfg.strategy.elastic.slots
+            # a resumed run takes its parameters from the checkpoint: no start-up broadcast
             self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model, outer_comm,
-                                                 total_steps=cfg.trainer.max_steps)
+                                                 total_steps=cfg.trainer.max_steps,
+                                                 broadcast_initial=resume_from is None)
         # the group this run's training exchange goes over (elastic: across the replica groups,
         # not the worker's own): its bytes are the ones logged, checkpointed and restored
         self.train_comm = self.comm if self.replica is None else self.replica.comm
@@ -206,7 +209,7 @@ class Trainer:
         self.val_batches = build_val_batches(cfg.data, self.tokenizer, cfg.trainer.micro_batch_size,
                                              info.rank, info.world_size)
         self.state = TrainState()
-        self._maybe_resume()
+        self._maybe_resume(resume_from)
         self.record_step = self.state.step   # where metrics.jsonl and W&B continue from
         if self.replica is not None:
             self._resume_worker_cursor()
@@ -244,8 +247,7 @@ class Trainer:
             return path
         return find_checkpoint(resume, what="resume")
 
-    def _maybe_resume(self) -> None:
-        path = self._resume_path()
+    def _maybe_resume(self, path: Path | None) -> None:
         if path is None:
             return
         ckpt = self.ckpt.open(path)

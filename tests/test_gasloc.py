@@ -14,6 +14,7 @@ from torch import nn
 from scape_train.comm import Comm, ring_all_reduce_bytes
 from scape_train.optim.config import OptimizerConfig
 from scape_train.optim.local import StrategyConfig, build_local_strategy, validate
+from scape_train.optim.local.config import ElasticConfig
 from scape_train.optim.local.diloco import DiLoCo
 from scape_train.optim.local.gasloc import GASLoC
 from scape_train.optim.local.topology import mixing_matrix, peers
@@ -369,12 +370,123 @@ def test_bad_config_is_refused_with_a_clear_message():
         (dict(outer_momentum=1.0), "outer_momentum"),
         (dict(round_budget_s=-1.0), "round_budget_s"),
         (dict(round_budget_s=1.0, inner_steps_per_worker=[1, 1, 1, 1]), "not both"),
+        (dict(topology="complete", overlap_steps=30), r"overlap_steps \(tau\) must be in"),
+        (dict(topology="complete", overlap_steps=-1), r"overlap_steps \(tau\) must be in"),
+        (dict(topology="complete", overlap_local_weight=1.5), "overlap_local_weight"),
+        (dict(overlap_steps=1), "a gossip exchange does not overlap"),
+        (dict(topology="complete", overlap_steps=1,
+              elastic=ElasticConfig(enabled=True, replica=0, slots=1)), "commits by a vote"),
     ]
     for fields, msg in bad:
         with pytest.raises(ValueError, match=msg):
             validate(StrategyConfig(**{"name": "gasloc", "topology": "2peer", **fields}), OPT, 4)
     with pytest.raises(ValueError, match="must not communicate"):
         validate(ok, OptimizerConfig(name="scape"), 4)
+
+
+# -- overlapped rounds (overlap_steps tau > 0) ------------------------------------------------------
+OPT_NOCLIP = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, clip_grad=0.0)
+OVERLAP_H, OVERLAP_STEPS = 4, 14     # rounds end at steps 4, 8, 12 and (the last, blocking) 14
+
+
+def _overlap_reference(rank, world, tau: float, alpha: float, eta=0.7, gamma=0.9):
+    """This rank's flat parameters after every step, from the rule in float64: the round's
+    average lands tau inner steps into the next round (theta <- alpha theta + (1 - alpha) x);
+    the run's last round blocks (theta <- x)."""
+    from scape_train.optim.dense import build_local_optimizer
+
+    model = tiny_model(0)
+    opt, _ = build_local_optimizer(OPT_NOCLIP, model, adams=False)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    anchor = [p.detach().double().clone() for p in params]
+    y_prev = [a.clone() for a in anchor]
+    pending, k, nominal, out = None, 0, 0, []
+
+    def land(avg, weight):
+        for i, p in enumerate(params):
+            y = anchor[i] - eta * avg[i]
+            x = y + gamma * (y - y_prev[i])
+            y_prev[i], anchor[i] = y, x
+            with torch.no_grad():
+                p.copy_(weight * p.double() + (1 - weight) * x)
+
+    for step in range(1, OVERLAP_STEPS + 1):
+        x, y = batch(step, rank)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        k += 1
+        if pending is not None and k >= tau:
+            land(pending, alpha)
+            pending = None
+        left = OVERLAP_STEPS - nominal
+        if k == OVERLAP_H or 0 < left <= k:
+            if pending is not None:   # a round no longer than tau: the last exchange lands first
+                land(pending, alpha)
+                pending = None
+            drift = torch.cat([(a - p.double()).reshape(-1) for a, p in zip(anchor, params)])
+            gathered = [torch.empty_like(drift) for _ in range(world)]
+            dist.all_gather(gathered, drift)
+            flat = torch.stack(gathered).mean(0)
+            avg, offset = [], 0
+            for p in params:
+                avg.append(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            if left <= OVERLAP_H:
+                land(avg, 0.0)
+            else:
+                pending = avg
+            nominal += min(OVERLAP_H, left)
+            k = 0
+        out.append(flat_params(model))
+    return out
+
+
+def _overlap_worker(rank, world, tau, alpha, cut_at):
+    """The overlapped strategy (DiLoCo and complete-graph GASLoC) step by step against the
+    reference; and DiLoCo resumed from its state taken at step ``cut_at``."""
+    def make(name, model):
+        cfg = StrategyConfig(name=name, topology="complete", inner_steps=OVERLAP_H,
+                             overlap_steps=tau, overlap_local_weight=alpha)
+        return build_local_strategy(cfg, OPT_NOCLIP, model, Comm(), total_steps=OVERLAP_STEPS)
+
+    runs = {}
+    for name in ("diloco", "gasloc"):
+        model = tiny_model(0)
+        strategy = make(name, model)
+        log = _steps(strategy, model, 1, OVERLAP_STEPS, rank)
+        runs[name] = (flat_params(model), log)
+    reference = _overlap_reference(rank, world, tau, alpha)
+    model = tiny_model(0)
+    strategy = make("diloco", model)
+    history = []
+    for step in range(1, OVERLAP_STEPS + 1):
+        _steps(strategy, model, step, step, rank)
+        history.append(flat_params(model))
+        if step == cut_at:   # the state into a fresh strategy and model, as a resume does
+            buf = io.BytesIO()
+            torch.save(strategy.state_dict(), buf)
+            buf.seek(0)
+            model = tiny_model(1)
+            strategy = make("diloco", model)
+            strategy.load_state_dict(torch.load(buf, weights_only=False))
+    ends = [m for m in runs["diloco"][1] if m["progress"] is not None]
+    return {"history": history, "reference": reference, "final": runs["diloco"][0],
+            "gasloc_final": runs["gasloc"][0], "agreed": [m["progress"] for m in ends]}
+
+
+@pytest.mark.parametrize("tau,alpha,cut_at", [(2, 0.5, 4), (1, 0.0, 9), (3, 1.0, 5)])
+def test_overlapped_rounds_land_tau_steps_later_and_resume_exactly(tau, alpha, cut_at):
+    res = run_distributed(_overlap_worker, 2, (tau, alpha, cut_at))
+    for rank, r in enumerate(res):
+        assert r["agreed"] == [4, 8, 12, 14]
+        for step, (got, want) in enumerate(zip(r["history"], r["reference"]), start=1):
+            torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} step {step}: {m}")
+        # resumed (with the exchange in flight at step 4, or mid-overlap) == uninterrupted
+        assert torch.equal(r["history"][-1], r["final"])
+        assert torch.equal(r["gasloc_final"], r["final"])   # the complete graph is DiLoCo
+    assert torch.equal(res[0]["final"], res[1]["final"])     # the last round blocks
 
 
 # -- the trainer end to end ---------------------------------------------------------------------
@@ -429,6 +541,28 @@ def test_a_resumed_runs_total_bytes_equal_the_uninterrupted_runs(tmp_path):
     assert [r[1] for r in again] == [r[1] for r in whole]
     assert total_sent_bytes(tmp_path / "cut") == total_sent_bytes(tmp_path / "whole") > 0
     assert_same_record(tmp_path / "whole", tmp_path / "cut")   # every column but the clock's
+
+
+@pytest.mark.slow
+def test_trainer_overlapped_diloco_resumes_exactly_and_sends_the_blocking_runs_bytes(tmp_path):
+    """Stopped at step 3 (a round's exchange in flight) and resumed, an overlapped DiLoCo run
+    logs what the uninterrupted one logs; the overlap moves no byte: a blocking run of the same
+    rounds sends as much; the run ends on the outer point, the same on both ranks."""
+    tok = str(tmp_path / "tok")
+    diloco = ("strategy=diloco", "strategy.inner_steps=3", "trainer.max_steps=9")
+    overlap = (*diloco, "strategy.overlap_steps=1", "strategy.overlap_local_weight=0.5")
+    whole = run_distributed(_trainer_job, 2, (str(tmp_path / "whole"), tok, *overlap))
+    run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *overlap, "trainer.stop_after=3"))
+    again = run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *overlap, "resume=auto"))
+    blocking = run_distributed(_trainer_job, 2, (str(tmp_path / "blocking"), tok, *diloco))
+    assert [r[1] for r in again] == [r[1] for r in whole]
+    assert_same_record(tmp_path / "whole", tmp_path / "cut")
+    assert total_sent_bytes(tmp_path / "whole") == total_sent_bytes(tmp_path / "blocking") > 0
+    assert whole[0][1] != blocking[0][1]     # the overlap changed the trajectory
+    from tests._fault_job import final_params
+
+    a, b = final_params(tmp_path / "whole"), final_params(tmp_path / "cut")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 EXPERIMENTS = ["tiny_diloco", "tiny_gasloc_2peer", "gasloc_134m_h30", "gasloc_1peer_134m_h30",

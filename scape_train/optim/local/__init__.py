@@ -52,6 +52,18 @@ def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: in
     need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
     need(cfg.max_rounds is None or cfg.max_rounds >= 1,
          f"max_rounds must be >= 1 or null, got {cfg.max_rounds}")
+    need(0 <= cfg.overlap_steps and (cfg.overlap_steps == 0 or cfg.overlap_steps < cfg.inner_steps),
+         f"overlap_steps (tau) must be in [0, inner_steps={cfg.inner_steps}): a round's exchange "
+         f"lands before the next one starts; got {cfg.overlap_steps}")
+    need(0.0 <= cfg.overlap_local_weight <= 1.0,
+         f"overlap_local_weight (alpha) must be in [0, 1], got {cfg.overlap_local_weight}")
+    need(cfg.overlap_steps == 0 or cfg.topology == "complete" and cfg.mix_momentum,
+         "overlap_steps > 0 overlaps an all-reduce round: strategy=diloco, or gasloc with "
+         f"topology=complete (a gossip exchange does not overlap); got topology={cfg.topology!r}"
+         f"{'' if cfg.mix_momentum else ', mix_momentum=false'}")
+    need(cfg.overlap_steps == 0 or not cfg.elastic.enabled,
+         "overlap_steps > 0 with strategy.elastic: an elastic round commits by a vote after its "
+         "exchange, which an overlapped round would take steps later; set overlap_steps=0")
     if cfg.elastic.enabled:
         validate_elastic(cfg, world_size)
     need(optimizer_cfg.name in INNER_OPTIMIZERS,
@@ -85,9 +97,12 @@ def validate_elastic(cfg: StrategyConfig, world_size: int) -> None:
 
 
 def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerConfig,
-                         model: nn.Module, comm: Comm, total_steps: int = 0) -> OptimizerStrategy:
+                         model: nn.Module, comm: Comm, total_steps: int = 0,
+                         broadcast_initial: bool = True) -> OptimizerStrategy:
     """DiLoCo or GASLoC over ``model`` (the model is not wrapped: no DDP). ``total_steps``: the
-    run's length, where its last round ends (0: rounds of H to the end)."""
+    run's length, where its last round ends (0: rounds of H to the end). ``broadcast_initial``:
+    rank 0's parameters to every rank (all theta^i_0 equal); a resumed run, whose checkpoint
+    sets them, skips it."""
     cfg = strategy_cfg
     validate(cfg, optimizer_cfg, comm.world)
 
@@ -97,7 +112,8 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
         return GASLoC(params, names, comm, cfg.outer_lr, cfg.outer_momentum, cfg.outer_state_on_cpu,
                       topology=cfg.topology, seed=cfg.seed, mix_momentum=cfg.mix_momentum)
 
-    return LocalStepStrategy(cfg, optimizer_cfg, model, comm, make_outer, total_steps)
+    return LocalStepStrategy(cfg, optimizer_cfg, model, comm, make_outer, total_steps,
+                             broadcast_initial)
 
 
 __all__ = ["DiLoCo", "GASLoC", "LocalStepStrategy", "STRATEGIES", "StrategyConfig", "TOPOLOGIES",

@@ -37,6 +37,12 @@ class StrategyConfig:
     outer_momentum: float = 0.9       # mu (DiLoCo) / gamma (GASLoC)
     outer_state_on_cpu: bool = False  # keep the outer optimizer's state in host memory
     mix_momentum: bool = True         # ablation: False mixes y and adds the momentum term after
+    # tau: the round's all-reduce runs behind this many inner steps of the next round, then lands
+    # (Streaming DiLoCo's overlap, torchft's fragment_sync_delay); 0 = the exchange blocks
+    overlap_steps: int = 0
+    # alpha: where an overlapped round lands, theta <- alpha theta + (1 - alpha) theta_outer (0: the
+    # steps taken meanwhile are dropped, as torchft does; Streaming DiLoCo's merge otherwise)
+    overlap_local_weight: float = 0.0
     seed: int = 0                     # the mixing graph's RNG seed (with the round number)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     max_rounds: Optional[int] = None  # informational: the run ends at trainer.max_steps, i.e.

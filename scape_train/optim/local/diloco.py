@@ -19,6 +19,7 @@ from .outer import OuterAlgorithm
 
 
 class DiLoCo(OuterAlgorithm):
+    all_reduce_kind = "outer"
+
     def round(self, t: int) -> dict[str, float]:
-        drift, committed = self.all_reduce_round(kind="outer")
-        return {"outer/drift_norm": drift, "outer/committed": float(committed)}
+        return self.round_metrics(*self.all_reduce_round(kind=self.all_reduce_kind))

@@ -36,6 +36,12 @@ class GASLoC(OuterAlgorithm):
                  gamma: float, on_cpu: bool, topology: str, seed: int, mix_momentum: bool = True):
         super().__init__(params, names, comm, eta, gamma, on_cpu)
         self.topology, self.seed, self.mix_momentum = topology, seed, mix_momentum
+        # the complete graph's round is DiLoCo's all-reduce (below); sparse graphs gossip
+        self.all_reduce_kind = "gossip" if topology == "complete" and mix_momentum else None
+
+    def round_metrics(self, drift: float, committed: bool) -> dict[str, float]:
+        return {**super().round_metrics(drift, committed),
+                "outer/peers": float(self.comm.world - 1)}
 
     def _local_points(self) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """(what is sent: x, or y for the ablation; the ablation's momentum term; drift norm).
@@ -86,10 +92,8 @@ class GASLoC(OuterAlgorithm):
         return mixed, len(nbrs)
 
     def round(self, t: int) -> dict[str, float]:
-        if self.topology == "complete" and self.mix_momentum:   # DiLoCo, bit for bit
-            drift, committed = self.all_reduce_round(kind="gossip")
-            return {"outer/drift_norm": drift, "outer/peers": float(self.comm.world - 1),
-                    "outer/committed": float(committed)}
+        if self.all_reduce_kind is not None:   # the complete graph: DiLoCo, bit for bit
+            return self.round_metrics(*self.all_reduce_round(kind=self.all_reduce_kind))
         with torch.no_grad():
             send, momentum, drift = self._local_points()
             mixed, n_peers = self.mix(send, t)

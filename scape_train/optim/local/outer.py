@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from scape_train.comm import Comm
+from scape_train.comm import Comm, Handle
 from scape_train.host_to_device import pinned_zeros
 
 
@@ -100,24 +100,33 @@ class OuterAlgorithm(abc.ABC):
         p0 = self.params[0]
         return torch.empty(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
 
-    def set_params(self, flat: torch.Tensor) -> None:
-        """theta <- flat and theta0 <- theta: the next round starts where this one landed."""
+    def set_params(self, flat: torch.Tensor, local_weight: float = 0.0) -> None:
+        """theta0 <- flat, and theta <- flat (the next round starts where this one landed) or,
+        with ``local_weight`` alpha > 0 (an overlapped round landing, see ``strategy.py``),
+        theta <- alpha * theta + (1 - alpha) * flat: the inner steps taken while the exchange ran
+        are kept in part."""
         offset = 0
         with torch.no_grad():
             for p, anchor in zip(self.params, self.state.anchor):
                 view = flat[offset:offset + p.numel()].view_as(p)
-                p.copy_(view)
+                if local_weight:
+                    p.lerp_(view, 1.0 - local_weight)
+                else:
+                    p.copy_(view)
                 anchor.copy_(view)   # blocking: a host copy is read (snapshots) at once
                 offset += p.numel()
 
-    def all_reduce_round(self, kind: str) -> tuple[float, bool]:
-        """DiLoCo's round: ``delta = all_reduce_avg(theta0 - theta)`` (``Comm`` kind ``kind``), then
-        ``y = theta0 - eta * delta``, ``theta = y + gamma * (y - y_prev)``, ``y_prev <- y``, the same
-        on every worker. Returns this worker's drift norm ``||theta0 - theta||`` before the average
-        and whether the round committed (``Comm.commit``): a round that does not is applied by
-        nobody, so theta, theta0 and y_prev stay as they were and this worker's drift since the
-        last committed round joins the next one.
-        """
+    # -- DiLoCo's round (and complete-graph GASLoC's), whole or in two halves ---------------
+    all_reduce_kind: str | None = None   # the Comm kind of an all-reduce round; None: no such round
+
+    def round_metrics(self, drift: float, committed: bool) -> dict[str, float]:
+        return {"outer/drift_norm": drift, "outer/committed": float(committed)}
+
+    def start_all_reduce(self, kind: str, async_op: bool = False) -> tuple[torch.Tensor, Handle, float]:
+        """``delta = theta0 - theta`` into one flat buffer and its average over the workers
+        started (``async_op``: not waited for; the buffer must be left alone until it is).
+        Returns (delta, its handle, this worker's drift norm ``||theta0 - theta||`` before the
+        average)."""
         st, dev = self.state, self.params[0].device
         delta = self.flat_like()
         offset = 0
@@ -126,10 +135,21 @@ class OuterAlgorithm(abc.ABC):
                 delta[offset:offset + p.numel()].view_as(p).copy_(st.on(anchor, dev) - p)
                 offset += p.numel()
             drift = float(torch.linalg.vector_norm(delta))
-            self.comm.all_reduce(delta, kind=kind, average=True)
-            if not self.comm.commit():
-                return drift, False
-            out = delta  # overwritten piecewise with the new parameters below
+        handle = self.comm.all_reduce(delta, kind=kind, average=True, async_op=async_op)
+        return delta, handle, drift
+
+    def apply_all_reduce(self, delta: torch.Tensor, local_weight: float = 0.0) -> bool:
+        """The outer step from the averaged ``delta`` (its all-reduce waited for):
+        ``y = theta0 - eta * delta``, ``x = y + gamma * (y - y_prev)``, ``y_prev <- y``,
+        ``theta0 <- x`` and theta as :meth:`set_params` says. Returns whether the round committed
+        (``Comm.commit``): a round that does not is applied by nobody, so theta, theta0 and
+        y_prev stay as they were and this worker's drift since the last committed round joins
+        the next one."""
+        if not self.comm.commit():
+            return False
+        st, dev = self.state, self.params[0].device
+        with torch.no_grad():
+            out = delta  # overwritten piecewise with the new parameters
             offset = 0
             for p, anchor, y_prev in zip(self.params, st.anchor, st.y_prev):
                 d = delta[offset:offset + p.numel()].view_as(p)
@@ -138,5 +158,12 @@ class OuterAlgorithm(abc.ABC):
                 y_prev.copy_(y)
                 out[offset:offset + p.numel()].view_as(p).copy_(x)
                 offset += p.numel()
-            self.set_params(out)
-        return drift, True
+            self.set_params(out, local_weight)
+        return True
+
+    def all_reduce_round(self, kind: str) -> tuple[float, bool]:
+        """DiLoCo's round: ``delta = all_reduce_avg(theta0 - theta)`` (``Comm`` kind ``kind``), then
+        the outer step (:meth:`apply_all_reduce`), the same on every worker. Returns this
+        worker's drift norm and whether the round committed."""
+        delta, _, drift = self.start_all_reduce(kind)
+        return drift, self.apply_all_reduce(delta)

@@ -12,7 +12,13 @@ Each ``step(lr)`` is one inner step of a local, non-communicating optimizer (Ada
   bandwidth straggler, or a peer of one) or whose steps are slow takes fewer inner steps and
   arrives at the next exchange with the others. At least one inner step per round.
 
-Then the outer algorithm (``diloco.py`` all-reduce, or ``gasloc.py`` gossip) runs. A round that
+Then the outer algorithm (``diloco.py`` all-reduce, or ``gasloc.py`` gossip) runs. With
+``overlap_steps`` tau > 0 (an all-reduce round only) the round's all-reduce is started, not
+waited for: the worker takes tau inner steps of the next round from where it is, then the
+exchange lands: the outer step moves theta0 to the new outer point x, and theta becomes
+``alpha * theta + (1 - alpha) * x`` (``overlap_local_weight`` alpha). The run's last round
+blocks, so a run ends on the outer point; a checkpoint taken while an exchange is in flight
+waits for it and saves its average, which lands tau steps after the resume as it would have. A round that
 does not commit (elastic runs: a participant was lost, ``Comm.commit``) is applied by nobody: this
 worker keeps theta and its inner state, and its drift since the last committed round joins the
 next one (``uncommitted_steps`` counts its inner steps). The trainer makes
@@ -33,7 +39,7 @@ import torch
 from torch import nn
 
 from ..base import OptimizerStrategy, set_lr
-from scape_train.comm import Comm
+from scape_train.comm import Comm, Handle
 from ..config import OptimizerConfig
 from ..dense import build_local_optimizer, grad_norm_and_clip, load_named_state_dict, named_state_dict
 from ..state import StateParts
@@ -56,16 +62,19 @@ class LocalStepStrategy(OptimizerStrategy):
     synchronous = False
 
     def __init__(self, cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, model: nn.Module,
-                 comm: Comm, make_outer, total_steps: int = 0):
+                 comm: Comm, make_outer, total_steps: int = 0, broadcast_initial: bool = True):
         """``make_outer(params, names) -> OuterAlgorithm`` builds DiLoCo or GASLoC over the params;
-        ``total_steps``: the run's length (0: no end to fit the last round to)."""
+        ``total_steps``: the run's length (0: no end to fit the last round to);
+        ``broadcast_initial``: rank 0's parameters to every rank first (off where a checkpoint
+        is loaded next)."""
         self.cfg, self.opt_cfg, self.comm = cfg, optimizer_cfg, comm
         self.optimizer, index_names = build_local_optimizer(optimizer_cfg, model,
                                                             adams=optimizer_cfg.name == "adams")
         self._names = index_names
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         names = [index_names[i] for i in range(len(self.params))]
-        self._broadcast_initial(self.params)   # all theta^i_0 equal
+        if broadcast_initial:
+            self._broadcast_initial(self.params)   # all theta^i_0 equal
         self.outer: OuterAlgorithm = make_outer(self.params, names)
         self.param_names = names
         per_worker = list(cfg.inner_steps_per_worker)
@@ -86,6 +95,9 @@ class LocalStepStrategy(OptimizerStrategy):
         self._clock: float | None = None      # budget: start of the previous exchange
         self._last_mark: float | None = None  # budget: end of the previous inner step
         self._last_round: dict[str, float] = {}
+        self.overlap, self.local_weight = cfg.overlap_steps, cfg.overlap_local_weight
+        # an overlapped round's exchange in flight: (its delta buffer, the all-reduce's handle)
+        self._pending: tuple[torch.Tensor, Handle] | None = None
 
     def _broadcast_initial(self, params: list[torch.Tensor]) -> None:
         if self.comm.world <= 1:
@@ -118,6 +130,8 @@ class LocalStepStrategy(OptimizerStrategy):
             self.optimizer.step()
             self.steps_in_round += 1
             self.uncommitted_steps += 1
+        if self._pending is not None and self.steps_in_round >= self.overlap:
+            self._land()
         if self._round_over():
             self._last_round = self._end_round()
         # The last finished round's figures on every step: the trainer logs every log_every
@@ -142,7 +156,16 @@ class LocalStepStrategy(OptimizerStrategy):
         start = time.perf_counter()
         left = self._steps_left()
         length = min(self.nominal_h, left) if left is not None and left > 0 else self.nominal_h
-        metrics = self.outer.round(self.rounds_done)
+        if self._pending is not None:   # a round no longer than the overlap: the last one lands
+            self._land()
+        last = left is not None and left <= self.nominal_h
+        if self.overlap and not last:   # lands after `overlap` inner steps of the next round
+            delta, handle, drift = self.outer.start_all_reduce(self.outer.all_reduce_kind,
+                                                               async_op=True)
+            self._pending = (delta, handle)
+            metrics = self.outer.round_metrics(drift, True)
+        else:
+            metrics = self.outer.round(self.rounds_done)
         metrics["outer/inner_steps"] = float(self.steps_in_round)
         if metrics.get("outer/committed", 1.0) > 0:
             self.rounds_done += 1
@@ -154,6 +177,20 @@ class LocalStepStrategy(OptimizerStrategy):
         self._clock, self._last_mark = start, time.perf_counter()
         return metrics
 
+    def _land(self) -> None:
+        """The overlapped round's exchange: waited for now, then its outer step."""
+        delta, handle = self._pending
+        self._pending = None
+        handle.wait()
+        self.outer.apply_all_reduce(delta, self.local_weight)
+
+    def _pending_delta(self) -> torch.Tensor | None:
+        """The in-flight exchange's average, waited for (a checkpoint saves it whole)."""
+        if self._pending is None:
+            return None
+        self._pending[1].wait()
+        return self._pending[0]
+
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -163,12 +200,16 @@ class LocalStepStrategy(OptimizerStrategy):
             "steps_in_round": self.steps_in_round,
             "local_step": self.local_step, "sync_step": self.sync_step,
             "uncommitted_steps": self.uncommitted_steps, "owner": self.owner,
+            "last_round": dict(self._last_round),
         }
-        # After a committed round theta == theta0 (saved as the anchor); mid-round, or after a
-        # round that did not commit, this worker's own theta is needed too (the checkpoint's
-        # model file holds rank 0's replica only).
-        if self.uncommitted_steps > 0:
+        # After a committed round theta == theta0 (saved as the anchor); mid-round, after a
+        # round that did not commit, or with overlapped rounds, this worker's own theta is
+        # needed too (the checkpoint's model file holds rank 0's replica only).
+        if self.uncommitted_steps > 0 or self.overlap:
             state["params"] = {n: snapshot(p) for n, p in zip(self.param_names, self.params)}
+        pending = self._pending_delta()
+        if pending is not None:
+            state["pending_delta"] = snapshot(pending)
         return state
 
     def checkpoint_state(self) -> StateParts:
@@ -183,9 +224,13 @@ class LocalStepStrategy(OptimizerStrategy):
             "steps_in_round": self.steps_in_round,
             "local_step": self.local_step, "sync_step": self.sync_step,
             "uncommitted_steps": self.uncommitted_steps, "owner": self.owner,
+            "last_round": dict(self._last_round),
         }
-        if self.uncommitted_steps > 0:
+        if self.uncommitted_steps > 0 or self.overlap:
             state["params"] = {n: p.detach() for n, p in zip(self.param_names, self.params)}
+        pending = self._pending_delta()
+        if pending is not None:
+            state["pending_delta"] = pending
         return StateParts(per_rank=state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -208,6 +253,7 @@ class LocalStepStrategy(OptimizerStrategy):
         self.steps_in_round = int(state["steps_in_round"])
         self.local_step = int(state["local_step"])
         self.sync_step = int(state["sync_step"])
+        self._last_round = dict(state.get("last_round", {}))   # logged until the next round ends
         source = state.get("params")
         if foreign:
             source, self.steps_in_round = None, 0
@@ -222,4 +268,7 @@ class LocalStepStrategy(OptimizerStrategy):
                 p.copy_(source[n])   # this worker's own replica (GASLoC replicas differ)
                 if own_drift is not None:
                     p.add_(own_drift[i])
+        pending = state.get("pending_delta")   # an overlapped round's average, landing later
+        self._pending = None if pending is None else (
+            pending.to(self.params[0].device, copy=True), Handle(self.comm, "outer"))
         self._clock = self._last_mark = None
