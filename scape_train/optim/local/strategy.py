@@ -18,10 +18,11 @@ waited for: the worker takes tau inner steps of the next round from where it is,
 exchange lands: the outer step moves theta0 to the new outer point x, and theta becomes
 ``alpha * theta + (1 - alpha) * x`` (``overlap_local_weight`` alpha). The run's last round
 blocks, so a run ends on the outer point; a checkpoint taken while an exchange is in flight
-waits for it and saves its average, which lands tau steps after the resume as it would have. A round that
-does not commit (elastic runs: a participant was lost, ``Comm.commit``) is applied by nobody: this
-worker keeps theta and its inner state, and its drift since the last committed round joins the
-next one (``uncommitted_steps`` counts its inner steps). The trainer makes
+waits for it and saves its average, which lands tau steps after the resume as it would have.
+
+A round that does not commit (elastic runs: a participant was lost, ``Comm.commit``) is applied
+by nobody: this worker keeps theta and its inner state, and its drift since the last committed
+round joins the next one (``uncommitted_steps`` counts its inner steps). The trainer makes
 no per-step collective (``synchronous = False``); ``progress`` tells it where rounds end: every
 worker ends round r at its own local step, and there ``progress`` returns the nominal step on
 all of them: ``r * H``, the last round's shorter length counted as it is (``None`` in between),

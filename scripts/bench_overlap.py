@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""DiLoCo's exchange blocking vs overlapped with the next round (``strategy.overlap_steps``), on 4
+workers joined by slow links (scripts/netcluster, root).
+
+    .venv/bin/python scripts/bench_overlap.py [--repeats 2] [--rate 20mbit] [--tau 15]
+
+Every run is the real trainer (``python -m scape_train``), one rank per network namespace, the
+small Llama and data of ``bench_gasloc.py`` (2.6 MB per exchange), DiLoCo with H = ``--h``,
+``--steps`` nominal steps, every link at ``--rate``. The contenders, alternated in each repeat:
+blocking rounds, and rounds overlapped with ``--tau`` inner steps of the next round at alpha 0
+and 0.5. Measured per run: the training time (first to last logged step, so start-up and the
+tokenizer are left out), the time spent waiting for the exchange (``comm/outer_wait_s`` summed over
+the logged windows, rank 0) and the final validation loss. The ratios are taken within a repeat.
+Writes docs/figures/bench_overlap.json and the ``bench_overlap`` section of docs/gasloc.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_gasloc  # noqa: E402
+import doc_sections  # noqa: E402
+
+
+def contenders(tau: int) -> list[tuple[str, list[str]]]:
+    return [("blocking", []),
+            (f"overlap tau={tau} alpha=0", [f"strategy.overlap_steps={tau}",
+                                            "strategy.overlap_local_weight=0.0"]),
+            (f"overlap tau={tau} alpha=0.5", [f"strategy.overlap_steps={tau}",
+                                              "strategy.overlap_local_weight=0.5"])]
+
+
+def outer_wait_s(run_dir: Path) -> float:
+    """Rank 0's time waiting for the exchange over the run: each logged window's per-step mean
+    times the window's steps."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    total, last = 0.0, 0
+    for r in rows:
+        if "comm/outer_wait_s" in r:
+            total += r["comm/outer_wait_s"] * (r["step"] - last)
+        if "loss" in r:
+            last = r["step"]
+    return total
+
+
+def measure(args) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run_args = SimpleNamespace(rate=args.rate, timeout=args.timeout, steps=args.steps, h=args.h)
+    diloco = ["strategy=diloco", f"strategy.inner_steps={args.h}"]
+    runs = []
+    for repeat in range(args.repeats):
+        order = contenders(args.tau)
+        if repeat % 2:
+            order = order[::-1]
+        for label, extra in order:
+            name = f"r{repeat}_{label.replace(' ', '_').replace('=', '')}"
+            load = os.getloadavg()[0]
+            res = bench_gasloc.run_one(name, out, run_args, diloco + extra, straggler=False)
+            runs.append({"repeat": repeat, "label": label, "load_before": round(load, 2),
+                         "train_s": res["train_s"], "final_val": res["final_val"],
+                         "outer_wait_s": outer_wait_s(out / name)})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                            capture_output=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "scape_train"], cwd=REPO, text=True,
+                           capture_output=True).stdout.strip()
+    return {"args": vars(args), "runs": runs, "date": time.strftime("%Y-%m-%d"),
+            "commit": commit + ("+dirty" if dirty else ""), "cpus": os.cpu_count()}
+
+
+def table(res: dict) -> str:
+    a = res["args"]
+    lines = [f"4 workers, DiLoCo H = {a['h']}, {a['steps']} nominal steps, every link "
+             f"{a['rate']}; {res['date']}, commit `{res['commit']}`, {res['cpus']} CPU cores.", "",
+             "| repeat | run | train time (s) | vs blocking | exchange wait, rank 0 (s) "
+             "| final val loss | load before |", "|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        base = next(b for b in res["runs"] if b["repeat"] == r["repeat"] and b["label"] == "blocking")
+        lines.append(f"| {r['repeat']} | {r['label']} | {r['train_s']:.1f} | "
+                     f"{r['train_s'] / base['train_s']:.3f} | {r['outer_wait_s']:.1f} | "
+                     f"{r['final_val']:.4f} | {r['load_before']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(REPO / "outputs" / "bench_overlap"), help="run directories")
+    p.add_argument("--docs", default=str(REPO / "docs" / "figures"), help="where the JSON goes")
+    p.add_argument("--steps", type=int, default=600, help="nominal steps per run")
+    p.add_argument("--h", type=int, default=30, help="inner steps H")
+    p.add_argument("--tau", type=int, default=15, help="overlap_steps of the overlapped runs")
+    p.add_argument("--rate", default="20mbit", help="every link's rate")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=400.0, help="per run, seconds")
+    args = p.parse_args()
+    res = measure(args)
+    docs = Path(args.docs)
+    docs.mkdir(parents=True, exist_ok=True)
+    (docs / "bench_overlap.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(table(res))
+    doc_sections.update("bench_overlap", figures=docs)
+
+
+if __name__ == "__main__":
+    main()
