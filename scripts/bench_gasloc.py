@@ -44,7 +44,9 @@ TRAINER = ["trainer.micro_batch_size=8", "trainer.num_threads=1", "trainer.devic
            "optimizer=adamw", "optimizer.lr=3e-3", "optimizer.min_lr=3e-4"]
 
 
-def run_one(name: str, out: Path, args, strategy: list[str], straggler: bool) -> dict:
+def run_one(name: str, out: Path, args, strategy: list[str], straggler: bool,
+            eval_every: int | None = None) -> dict:
+    """One run; validation every ``eval_every`` steps (default: every round, H)."""
     run_dir = out / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -56,7 +58,8 @@ def run_one(name: str, out: Path, args, strategy: list[str], straggler: bool) ->
     cmd += ["--", sys.executable, "-m", "scape_train", f"run_dir={run_dir}",
             f"run_name={name}",
             f"data.tokenizer.cache_dir={out / 'tokenizer'}", f"trainer.max_steps={args.steps}",
-            f"trainer.eval_every={args.h}", *MODEL, *TRAINER, *strategy]
+            f"trainer.eval_every={args.h if eval_every is None else eval_every}", *MODEL, *TRAINER,
+            *strategy]
     print(f"\n== {name}: {' '.join(cmd)}", flush=True)
     start = time.time()
     proc = subprocess.run(cmd, cwd=REPO)

@@ -65,7 +65,10 @@ def measure(args) -> dict:
         for label, extra in order:
             name = f"r{repeat}_{label.replace(' ', '_').replace('=', '')}"
             load = os.getloadavg()[0]
-            res = bench_gasloc.run_one(name, out, run_args, diloco + extra, straggler=False)
+            # validation at the end only: a validation's loss all-reduce at a round's end would
+            # queue behind the exchange in flight (one connection per pair of ranks)
+            res = bench_gasloc.run_one(name, out, run_args, diloco + extra, straggler=False,
+                                       eval_every=0)
             runs.append({"repeat": repeat, "label": label, "load_before": round(load, 2),
                          "train_s": res["train_s"], "final_val": res["final_val"],
                          "outer_wait_s": outer_wait_s(out / name)})
