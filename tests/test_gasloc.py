@@ -530,14 +530,17 @@ def test_trainer_with_per_worker_inner_steps_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resumed_runs_total_bytes_equal_the_uninterrupted_runs(tmp_path):
-    """The start-up broadcast of the parameters is counted once per run, not once per resume
-    (the loaded checkpoint overwrites what it sent)."""
+@pytest.mark.parametrize("strategy", [("strategy=diloco",), GASLOC_2PEER_H2[:2]],
+                         ids=["diloco", "gasloc_2peer"])
+def test_a_resumed_runs_total_bytes_equal_the_uninterrupted_runs(tmp_path, strategy):
+    """A resumed local-step run logs what the uninterrupted one logs (its total bytes included:
+    the start-up broadcast of the parameters is sent once per run; a resume, whose checkpoint
+    sets them, skips it). GASLoC's replicas differ: each rank's own comes back."""
     tok = str(tmp_path / "tok")
-    diloco = ("strategy=diloco", "strategy.inner_steps=2", "trainer.max_steps=6")
-    whole = run_distributed(_trainer_job, 2, (str(tmp_path / "whole"), tok, *diloco))
-    run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *diloco, "trainer.stop_after=4"))
-    again = run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *diloco, "resume=auto"))
+    job = (*strategy, "strategy.inner_steps=2", "trainer.max_steps=6")
+    whole = run_distributed(_trainer_job, 2, (str(tmp_path / "whole"), tok, *job))
+    run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *job, "trainer.stop_after=4"))
+    again = run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *job, "resume=auto"))
     assert [r[1] for r in again] == [r[1] for r in whole]
     assert total_sent_bytes(tmp_path / "cut") == total_sent_bytes(tmp_path / "whole") > 0
     assert_same_record(tmp_path / "whole", tmp_path / "cut")   # every column but the clock's
