@@ -7,10 +7,11 @@ workers joined by slow links (scripts/netcluster, root).
 Every run is the real trainer (``python -m scape_train``), one rank per network namespace, the
 small Llama and data of ``bench_gasloc.py`` (2.6 MB per exchange), DiLoCo with H = ``--h``,
 ``--steps`` nominal steps, every link at ``--rate``. The contenders, alternated in each repeat:
-blocking rounds, and rounds overlapped with ``--tau`` inner steps of the next round at alpha 0
-and 0.5. Measured per run: the training time (first to last logged step, so start-up and the
-tokenizer are left out), the time spent waiting for the exchange (``comm/outer_wait_s`` summed over
-the logged windows, rank 0) and the final validation loss. The ratios are taken within a repeat.
+blocking rounds, and rounds overlapped with ``--tau`` inner steps of the next round, landing
+by ``carry`` and by ``mix`` at alpha 0. Measured per run: the training time (first to last
+logged step, so start-up and the tokenizer are left out), the time spent waiting for the
+exchange (``comm/outer_wait_s`` summed over the logged windows, rank 0) and the final validation
+loss. The ratios are taken within a repeat.
 Writes docs/figures/bench_overlap.json and the ``bench_overlap`` section of docs/gasloc.md.
 """
 
@@ -33,10 +34,9 @@ import doc_sections  # noqa: E402
 
 def contenders(tau: int) -> list[tuple[str, list[str]]]:
     return [("blocking", []),
-            (f"overlap tau={tau} alpha=0", [f"strategy.overlap_steps={tau}",
-                                            "strategy.overlap_local_weight=0.0"]),
-            (f"overlap tau={tau} alpha=0.5", [f"strategy.overlap_steps={tau}",
-                                              "strategy.overlap_local_weight=0.5"])]
+            (f"overlap tau={tau} carry", [f"strategy.overlap_steps={tau}"]),
+            (f"overlap tau={tau} mix alpha=0", [f"strategy.overlap_steps={tau}",
+                                                "strategy.overlap_merge=mix"])]
 
 
 def outer_wait_s(run_dir: Path) -> float:

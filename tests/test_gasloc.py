@@ -373,6 +373,8 @@ def test_bad_config_is_refused_with_a_clear_message():
         (dict(topology="complete", overlap_steps=30), r"overlap_steps \(tau\) must be in"),
         (dict(topology="complete", overlap_steps=-1), r"overlap_steps \(tau\) must be in"),
         (dict(topology="complete", overlap_local_weight=1.5), "overlap_local_weight"),
+        (dict(topology="complete", overlap_merge="average"), "overlap_merge must be"),
+        (dict(topology="complete", overlap_local_weight=0.5), "set strategy.overlap_merge=mix"),
         (dict(overlap_steps=1), "a gossip exchange does not overlap"),
         (dict(topology="complete", overlap_steps=1,
               elastic=ElasticConfig(enabled=True, replica=0, slots=1)), "commits by a vote"),
@@ -389,10 +391,11 @@ OPT_NOCLIP = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, clip_grad=
 OVERLAP_H, OVERLAP_STEPS = 4, 14     # rounds end at steps 4, 8, 12 and (the last, blocking) 14
 
 
-def _overlap_reference(rank, world, tau: float, alpha: float, eta=0.7, gamma=0.9):
+def _overlap_reference(rank, world, tau: float, merge: str, alpha: float, eta=0.7, gamma=0.9):
     """This rank's flat parameters after every step, from the rule in float64: the round's
-    average lands tau inner steps into the next round (theta <- alpha theta + (1 - alpha) x);
-    the run's last round blocks (theta <- x)."""
+    average lands tau inner steps into the next round (carry: theta <- theta + x - theta_end,
+    theta_end this worker's parameters at the round's end; mix: theta <- alpha theta + (1 -
+    alpha) x); the run's last round blocks (theta <- x)."""
     from scape_train.optim.dense import build_local_optimizer
 
     model = tiny_model(0)
@@ -402,13 +405,16 @@ def _overlap_reference(rank, world, tau: float, alpha: float, eta=0.7, gamma=0.9
     y_prev = [a.clone() for a in anchor]
     pending, k, nominal, out = None, 0, 0, []
 
-    def land(avg, weight):
+    def land(avg, weight, end=None):
         for i, p in enumerate(params):
             y = anchor[i] - eta * avg[i]
             x = y + gamma * (y - y_prev[i])
             y_prev[i], anchor[i] = y, x
             with torch.no_grad():
-                p.copy_(weight * p.double() + (1 - weight) * x)
+                if end is None:
+                    p.copy_(weight * p.double() + (1 - weight) * x)
+                else:
+                    p.copy_(p.double() + x - end[i])
 
     for step in range(1, OVERLAP_STEPS + 1):
         x, y = batch(step, rank)
@@ -417,12 +423,12 @@ def _overlap_reference(rank, world, tau: float, alpha: float, eta=0.7, gamma=0.9
         opt.zero_grad()
         k += 1
         if pending is not None and k >= tau:
-            land(pending, alpha)
+            land(*pending)
             pending = None
         left = OVERLAP_STEPS - nominal
         if k == OVERLAP_H or 0 < left <= k:
             if pending is not None:   # a round no longer than tau: the last exchange lands first
-                land(pending, alpha)
+                land(*pending)
                 pending = None
             drift = torch.cat([(a - p.double()).reshape(-1) for a, p in zip(anchor, params)])
             gathered = [torch.empty_like(drift) for _ in range(world)]
@@ -435,19 +441,20 @@ def _overlap_reference(rank, world, tau: float, alpha: float, eta=0.7, gamma=0.9
             if left <= OVERLAP_H:
                 land(avg, 0.0)
             else:
-                pending = avg
+                end = [p.detach().double().clone() for p in params] if merge == "carry" else None
+                pending = (avg, alpha, end)
             nominal += min(OVERLAP_H, left)
             k = 0
         out.append(flat_params(model))
     return out
 
 
-def _overlap_worker(rank, world, tau, alpha, cut_at):
+def _overlap_worker(rank, world, tau, merge, alpha, cut_at):
     """The overlapped strategy (DiLoCo and complete-graph GASLoC) step by step against the
     reference; and DiLoCo resumed from its state taken at step ``cut_at``."""
     def make(name, model):
         cfg = StrategyConfig(name=name, topology="complete", inner_steps=OVERLAP_H,
-                             overlap_steps=tau, overlap_local_weight=alpha)
+                             overlap_steps=tau, overlap_merge=merge, overlap_local_weight=alpha)
         return build_local_strategy(cfg, OPT_NOCLIP, model, Comm(), total_steps=OVERLAP_STEPS)
 
     runs = {}
@@ -456,7 +463,7 @@ def _overlap_worker(rank, world, tau, alpha, cut_at):
         strategy = make(name, model)
         log = _steps(strategy, model, 1, OVERLAP_STEPS, rank)
         runs[name] = (flat_params(model), log)
-    reference = _overlap_reference(rank, world, tau, alpha)
+    reference = _overlap_reference(rank, world, tau, merge, alpha)
     model = tiny_model(0)
     strategy = make("diloco", model)
     history = []
@@ -475,9 +482,11 @@ def _overlap_worker(rank, world, tau, alpha, cut_at):
             "gasloc_final": runs["gasloc"][0], "agreed": [m["progress"] for m in ends]}
 
 
-@pytest.mark.parametrize("tau,alpha,cut_at", [(2, 0.5, 4), (1, 0.0, 9), (3, 1.0, 5)])
-def test_overlapped_rounds_land_tau_steps_later_and_resume_exactly(tau, alpha, cut_at):
-    res = run_distributed(_overlap_worker, 2, (tau, alpha, cut_at))
+@pytest.mark.parametrize("tau,merge,alpha,cut_at", [
+    (2, "carry", 0.0, 4), (3, "carry", 0.0, 5), (2, "mix", 0.5, 4), (1, "mix", 0.0, 9),
+    (3, "mix", 1.0, 5)])
+def test_overlapped_rounds_land_tau_steps_later_and_resume_exactly(tau, merge, alpha, cut_at):
+    res = run_distributed(_overlap_worker, 2, (tau, merge, alpha, cut_at))
     for rank, r in enumerate(res):
         assert r["agreed"] == [4, 8, 12, 14]
         for step, (got, want) in enumerate(zip(r["history"], r["reference"]), start=1):
@@ -553,7 +562,7 @@ def test_trainer_overlapped_diloco_resumes_exactly_and_sends_the_blocking_runs_b
     rounds sends as much; the run ends on the outer point, the same on both ranks."""
     tok = str(tmp_path / "tok")
     diloco = ("strategy=diloco", "strategy.inner_steps=3", "trainer.max_steps=9")
-    overlap = (*diloco, "strategy.overlap_steps=1", "strategy.overlap_local_weight=0.5")
+    overlap = (*diloco, "strategy.overlap_steps=1")   # overlap_merge=carry
     whole = run_distributed(_trainer_job, 2, (str(tmp_path / "whole"), tok, *overlap))
     run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *overlap, "trainer.stop_after=3"))
     again = run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *overlap, "resume=auto"))

@@ -55,8 +55,12 @@ def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: in
     need(0 <= cfg.overlap_steps and (cfg.overlap_steps == 0 or cfg.overlap_steps < cfg.inner_steps),
          f"overlap_steps (tau) must be in [0, inner_steps={cfg.inner_steps}): a round's exchange "
          f"lands before the next one starts; got {cfg.overlap_steps}")
+    need(cfg.overlap_merge in ("carry", "mix"),
+         f"overlap_merge must be carry or mix, got {cfg.overlap_merge!r}")
     need(0.0 <= cfg.overlap_local_weight <= 1.0,
          f"overlap_local_weight (alpha) must be in [0, 1], got {cfg.overlap_local_weight}")
+    need(cfg.overlap_local_weight == 0.0 or cfg.overlap_merge == "mix",
+         "overlap_local_weight is mix's alpha: set strategy.overlap_merge=mix with it")
     need(cfg.overlap_steps == 0 or cfg.topology == "complete" and cfg.mix_momentum,
          "overlap_steps > 0 overlaps an all-reduce round: strategy=diloco, or gasloc with "
          f"topology=complete (a gossip exchange does not overlap); got topology={cfg.topology!r}"

@@ -122,11 +122,12 @@ class OuterAlgorithm(abc.ABC):
     def round_metrics(self, drift: float, committed: bool) -> dict[str, float]:
         return {"outer/drift_norm": drift, "outer/committed": float(committed)}
 
-    def start_all_reduce(self, kind: str, async_op: bool = False) -> tuple[torch.Tensor, Handle, float]:
+    def start_all_reduce(self, kind: str, async_op: bool = False, keep_local: bool = False
+                         ) -> tuple[torch.Tensor, Handle, float, torch.Tensor | None]:
         """``delta = theta0 - theta`` into one flat buffer and its average over the workers
         started (``async_op``: not waited for; the buffer must be left alone until it is).
         Returns (delta, its handle, this worker's drift norm ``||theta0 - theta||`` before the
-        average)."""
+        average, and with ``keep_local`` a copy of this worker's own delta)."""
         st, dev = self.state, self.params[0].device
         delta = self.flat_like()
         offset = 0
@@ -135,13 +136,18 @@ class OuterAlgorithm(abc.ABC):
                 delta[offset:offset + p.numel()].view_as(p).copy_(st.on(anchor, dev) - p)
                 offset += p.numel()
             drift = float(torch.linalg.vector_norm(delta))
+            local = delta.clone() if keep_local else None
         handle = self.comm.all_reduce(delta, kind=kind, average=True, async_op=async_op)
-        return delta, handle, drift
+        return delta, handle, drift, local
 
-    def apply_all_reduce(self, delta: torch.Tensor, local_weight: float = 0.0) -> bool:
+    def apply_all_reduce(self, delta: torch.Tensor, local_weight: float = 0.0,
+                         local_delta: torch.Tensor | None = None) -> bool:
         """The outer step from the averaged ``delta`` (its all-reduce waited for):
         ``y = theta0 - eta * delta``, ``x = y + gamma * (y - y_prev)``, ``y_prev <- y``,
-        ``theta0 <- x`` and theta as :meth:`set_params` says. Returns whether the round committed
+        ``theta0 <- x``, and theta as :meth:`set_params` says; or, given this worker's own
+        ``local_delta`` of the round (an overlapped round landing with ``carry``), theta moves by
+        what the outer step moved its end point: ``theta += x - (theta0 - local_delta)``, so the
+        inner steps taken since stay whole. Returns whether the round committed
         (``Comm.commit``): a round that does not is applied by nobody, so theta, theta0 and
         y_prev stay as they were and this worker's drift since the last committed round joins
         the next one."""
@@ -152,18 +158,24 @@ class OuterAlgorithm(abc.ABC):
             out = delta  # overwritten piecewise with the new parameters
             offset = 0
             for p, anchor, y_prev in zip(self.params, st.anchor, st.y_prev):
-                d = delta[offset:offset + p.numel()].view_as(p)
-                y = outer_point(st.on(anchor, dev), d, self.eta)
+                sl = slice(offset, offset + p.numel())
+                a = st.on(anchor, dev)
+                y = outer_point(a, delta[sl].view_as(p), self.eta)
                 x = extrapolate(y, st.on(y_prev, dev), self.gamma)
                 y_prev.copy_(y)
-                out[offset:offset + p.numel()].view_as(p).copy_(x)
+                if local_delta is None:
+                    out[sl].view_as(p).copy_(x)
+                else:   # the round's end point was theta0 - local_delta
+                    p.add_(x - a + local_delta[sl].view_as(p))
+                    anchor.copy_(x)
                 offset += p.numel()
-            self.set_params(out, local_weight)
+            if local_delta is None:
+                self.set_params(out, local_weight)
         return True
 
     def all_reduce_round(self, kind: str) -> tuple[float, bool]:
         """DiLoCo's round: ``delta = all_reduce_avg(theta0 - theta)`` (``Comm`` kind ``kind``), then
         the outer step (:meth:`apply_all_reduce`), the same on every worker. Returns this
         worker's drift norm and whether the round committed."""
-        delta, _, drift = self.start_all_reduce(kind)
+        delta, _, drift, _ = self.start_all_reduce(kind)
         return drift, self.apply_all_reduce(delta)

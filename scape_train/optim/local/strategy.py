@@ -15,8 +15,9 @@ Each ``step(lr)`` is one inner step of a local, non-communicating optimizer (Ada
 Then the outer algorithm (``diloco.py`` all-reduce, or ``gasloc.py`` gossip) runs. With
 ``overlap_steps`` tau > 0 (an all-reduce round only) the round's all-reduce is started, not
 waited for: the worker takes tau inner steps of the next round from where it is, then the
-exchange lands: the outer step moves theta0 to the new outer point x, and theta becomes
-``alpha * theta + (1 - alpha) * x`` (``overlap_local_weight`` alpha). The run's last round
+exchange lands: the outer step moves theta0 to the new outer point x, and theta moves by what
+it moved the round's end point (``overlap_merge=carry``: the tau steps kept whole) or becomes
+``alpha * theta + (1 - alpha) * x`` (``mix``, ``overlap_local_weight`` alpha). The run's last round
 blocks, so a run ends on the outer point; a checkpoint taken while an exchange is in flight
 waits for it and saves its average, which lands tau steps after the resume as it would have.
 
@@ -97,8 +98,10 @@ class LocalStepStrategy(OptimizerStrategy):
         self._last_mark: float | None = None  # budget: end of the previous inner step
         self._last_round: dict[str, float] = {}
         self.overlap, self.local_weight = cfg.overlap_steps, cfg.overlap_local_weight
-        # an overlapped round's exchange in flight: (its delta buffer, the all-reduce's handle)
-        self._pending: tuple[torch.Tensor, Handle] | None = None
+        self.carry = cfg.overlap_merge == "carry"
+        # an overlapped round's exchange in flight: its delta buffer, the all-reduce's handle and
+        # (carry) this worker's own delta of the round
+        self._pending: tuple[torch.Tensor, Handle, torch.Tensor | None] | None = None
 
     def _broadcast_initial(self, params: list[torch.Tensor]) -> None:
         if self.comm.world <= 1:
@@ -161,9 +164,9 @@ class LocalStepStrategy(OptimizerStrategy):
             self._land()
         last = left is not None and left <= self.nominal_h
         if self.overlap and not last:   # lands after `overlap` inner steps of the next round
-            delta, handle, drift = self.outer.start_all_reduce(self.outer.all_reduce_kind,
-                                                               async_op=True)
-            self._pending = (delta, handle)
+            delta, handle, drift, local = self.outer.start_all_reduce(
+                self.outer.all_reduce_kind, async_op=True, keep_local=self.carry)
+            self._pending = (delta, handle, local)
             metrics = self.outer.round_metrics(drift, True)
         else:
             metrics = self.outer.round(self.rounds_done)
@@ -180,17 +183,19 @@ class LocalStepStrategy(OptimizerStrategy):
 
     def _land(self) -> None:
         """The overlapped round's exchange: waited for now, then its outer step."""
-        delta, handle = self._pending
+        delta, handle, local = self._pending
         self._pending = None
         handle.wait()
-        self.outer.apply_all_reduce(delta, self.local_weight)
+        self.outer.apply_all_reduce(delta, self.local_weight, local)
 
-    def _pending_delta(self) -> torch.Tensor | None:
-        """The in-flight exchange's average, waited for (a checkpoint saves it whole)."""
+    def _pending_state(self) -> dict[str, torch.Tensor]:
+        """The in-flight exchange's average, waited for (a checkpoint saves it whole), and
+        (carry) this worker's own delta of that round."""
         if self._pending is None:
-            return None
-        self._pending[1].wait()
-        return self._pending[0]
+            return {}
+        delta, handle, local = self._pending
+        handle.wait()
+        return {"pending_delta": delta, **({} if local is None else {"pending_local_delta": local})}
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -208,9 +213,7 @@ class LocalStepStrategy(OptimizerStrategy):
         # needed too (the checkpoint's model file holds rank 0's replica only).
         if self.uncommitted_steps > 0 or self.overlap:
             state["params"] = {n: snapshot(p) for n, p in zip(self.param_names, self.params)}
-        pending = self._pending_delta()
-        if pending is not None:
-            state["pending_delta"] = snapshot(pending)
+        state.update({k: snapshot(t) for k, t in self._pending_state().items()})
         return state
 
     def checkpoint_state(self) -> StateParts:
@@ -229,9 +232,7 @@ class LocalStepStrategy(OptimizerStrategy):
         }
         if self.uncommitted_steps > 0 or self.overlap:
             state["params"] = {n: p.detach() for n, p in zip(self.param_names, self.params)}
-        pending = self._pending_delta()
-        if pending is not None:
-            state["pending_delta"] = pending
+        state.update(self._pending_state())
         return StateParts(per_rank=state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -269,7 +270,10 @@ class LocalStepStrategy(OptimizerStrategy):
                 p.copy_(source[n])   # this worker's own replica (GASLoC replicas differ)
                 if own_drift is not None:
                     p.add_(own_drift[i])
-        pending = state.get("pending_delta")   # an overlapped round's average, landing later
-        self._pending = None if pending is None else (
-            pending.to(self.params[0].device, copy=True), Handle(self.comm, "outer"))
+        self._pending = None   # an overlapped round's average (and own delta), landing later
+        if "pending_delta" in state:
+            dev = self.params[0].device
+            local = state.get("pending_local_delta")
+            self._pending = (state["pending_delta"].to(dev, copy=True), Handle(self.comm, "outer"),
+                             None if local is None else local.to(dev, copy=True))
         self._clock = self._last_mark = None
