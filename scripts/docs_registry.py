@@ -115,6 +115,7 @@ SECTIONS: list[Section] = [
     _page("bench_checkpoint", "checkpoint.md", "bench_checkpoint", "bench_checkpoint.json",
           _checkpoint),
     _page("bench_gasloc", "gasloc.md", "bench_gasloc", "bench_gasloc_results.json", _gasloc),
+    _page("bench_overlap", "gasloc.md", "bench_overlap", "bench_overlap.json"),
     _page("bench_elastic", "reliability.md", "bench_elastic", "bench_elastic.json"),
     # the README's figures: re-rendered by `scripts/doc_sections.py` after any of these JSON change
     Section("readme_headline", "README.md", "scripts/readme_figures.py",
