@@ -34,7 +34,8 @@ import doc_sections  # noqa: E402
 
 def contenders(tau: int) -> list[tuple[str, list[str]]]:
     return [("blocking", []),
-            (f"overlap tau={tau} carry", [f"strategy.overlap_steps={tau}"]),
+            (f"overlap tau={tau} carry", [f"strategy.overlap_steps={tau}",
+                                          "strategy.overlap_merge=carry"]),
             (f"overlap tau={tau} mix alpha=0", [f"strategy.overlap_steps={tau}",
                                                 "strategy.overlap_merge=mix"])]
 

@@ -374,7 +374,8 @@ def test_bad_config_is_refused_with_a_clear_message():
         (dict(topology="complete", overlap_steps=-1), r"overlap_steps \(tau\) must be in"),
         (dict(topology="complete", overlap_local_weight=1.5), "overlap_local_weight"),
         (dict(topology="complete", overlap_merge="average"), "overlap_merge must be"),
-        (dict(topology="complete", overlap_local_weight=0.5), "set strategy.overlap_merge=mix"),
+        (dict(topology="complete", overlap_merge="carry", overlap_local_weight=0.5),
+         "set strategy.overlap_merge=mix"),
         (dict(overlap_steps=1), "a gossip exchange does not overlap"),
         (dict(topology="complete", overlap_steps=1,
               elastic=ElasticConfig(enabled=True, replica=0, slots=1)), "commits by a vote"),
@@ -562,7 +563,7 @@ def test_trainer_overlapped_diloco_resumes_exactly_and_sends_the_blocking_runs_b
     rounds sends as much; the run ends on the outer point, the same on both ranks."""
     tok = str(tmp_path / "tok")
     diloco = ("strategy=diloco", "strategy.inner_steps=3", "trainer.max_steps=9")
-    overlap = (*diloco, "strategy.overlap_steps=1")   # overlap_merge=carry
+    overlap = (*diloco, "strategy.overlap_steps=1", "strategy.overlap_merge=carry")
     whole = run_distributed(_trainer_job, 2, (str(tmp_path / "whole"), tok, *overlap))
     run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *overlap, "trainer.stop_after=3"))
     again = run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *overlap, "resume=auto"))

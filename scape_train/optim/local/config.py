@@ -40,9 +40,9 @@ class StrategyConfig:
     # tau: the round's all-reduce runs behind this many inner steps of the next round, then lands
     # (Streaming DiLoCo's overlap, torchft's fragment_sync_delay); 0 = the exchange blocks
     overlap_steps: int = 0
-    # where an overlapped round lands: carry = theta moves by what the outer step moved the round's
-    # end point (the tau steps kept whole); mix = theta <- alpha theta + (1 - alpha) theta_outer
-    overlap_merge: str = "carry"
+    # where an overlapped round lands: mix = theta <- alpha theta + (1 - alpha) theta_outer;
+    # carry = theta moves by what the outer step moved the round's end point (the tau steps kept)
+    overlap_merge: str = "mix"
     # alpha of overlap_merge=mix (0: the tau steps are dropped, as torchft does; Streaming DiLoCo)
     overlap_local_weight: float = 0.0
     seed: int = 0                     # the mixing graph's RNG seed (with the round number)
