@@ -291,6 +291,12 @@ class Trainer:
         self.train_comm.restore_total(own.sent_bytes)
         self.record_step = max(self.record_step, own.step)
 
+    def _train_record(self) -> dict:
+        """The train counters as saved (a checkpoint; an elastic worker's cursor), the run's
+        total bytes sent so far included."""
+        self.state.sent_bytes = self.train_comm.total_sent_bytes()
+        return dataclasses.asdict(self.state)
+
     def _load_strategy(self, replicated: dict, per_rank: dict, shards=None) -> dict:
         """The strategy from a checkpoint's pieces (or, elastic, a live peer's); returns the
         train counters."""
@@ -326,9 +332,8 @@ class Trainer:
         time.sleep(self.fault_save_delay_s)
         # Each piece once, by the rank that holds it: the strategy says which part of its state
         # is replicated, owner-sharded or per rank; tensors go to disk from where they live.
-        self.state.sent_bytes = self.train_comm.total_sent_bytes()
         parts = trainer_parts(self.strategy.checkpoint_state(), data=self.train_loader.state_dict(),
-                              rng=get_rng_state(), train=dataclasses.asdict(self.state),
+                              rng=get_rng_state(), train=self._train_record(),
                               synchronous=self.strategy.synchronous)
         model_state = self.model.state_dict() if self.info.is_main else None
         # Named by the step all ranks agree on (local-step strategies: rounds x H), since the
@@ -489,9 +494,8 @@ class Trainer:
                     if agreed is None:
                         continue
                     if self.replica is not None:
-                        self.state.sent_bytes = self.train_comm.total_sent_bytes()
                         self.replica.end_round(self.train_loader.state_dict(),
-                                               dataclasses.asdict(self.state))
+                                               self._train_record())
                     if stopping:
                         stop.agreed = True  # same path as a preemption: checkpoint, exit
                     if evaluating:

@@ -26,6 +26,7 @@ import torch
 
 from tests import _fault_job as fj
 from tests._dist import free_port
+from tests.helpers import metrics_rows
 
 H = 5           # inner steps per round
 SLOTS = 4       # data shards: up to four workers at once
@@ -146,8 +147,7 @@ class ElasticJob:
 
     def metrics(self, slot: int) -> list[dict]:
         """Worker ``slot``'s ``metrics.jsonl`` rows."""
-        path = self.run_dir(slot) / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return metrics_rows(self.run_dir(slot))
 
     def val_loss(self, slot: int) -> float:
         return [r["val_loss"] for r in self.metrics(slot) if "val_loss" in r][-1]

@@ -66,10 +66,6 @@ class OuterState:
     def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t if t.device == device else t.to(device, non_blocking=True)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"anchor": {n: snapshot(t) for n, t in zip(self.names, self.anchor)},
-                "y_prev": {n: snapshot(t) for n, t in zip(self.names, self.y_prev)}}
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("anchor", "y_prev"):
             saved = state[key]

@@ -199,22 +199,9 @@ class LocalStepStrategy(OptimizerStrategy):
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "optimizer": _snapshot_tree(named_state_dict(self.optimizer, self._names)),
-            "outer": self.outer.state.state_dict(),
-            "rounds_done": self.rounds_done, "nominal_step": self.nominal_step,
-            "steps_in_round": self.steps_in_round,
-            "local_step": self.local_step, "sync_step": self.sync_step,
-            "uncommitted_steps": self.uncommitted_steps, "owner": self.owner,
-            "last_round": dict(self._last_round),
-        }
-        # After a committed round theta == theta0 (saved as the anchor); mid-round, after a
-        # round that did not commit, or with overlapped rounds, this worker's own theta is
-        # needed too (the checkpoint's model file holds rank 0's replica only).
-        if self.uncommitted_steps > 0 or self.overlap:
-            state["params"] = {n: snapshot(p) for n, p in zip(self.param_names, self.params)}
-        state.update({k: snapshot(t) for k, t in self._pending_state().items()})
-        return state
+        """:meth:`checkpoint_state`'s pieces with every tensor copied to host memory (later steps
+        mutate the live ones)."""
+        return _snapshot_tree(self.checkpoint_state().per_rank)
 
     def checkpoint_state(self) -> StateParts:
         """All per rank: each worker's inner optimizer state (and, under GASLoC, its replica and
@@ -230,6 +217,9 @@ class LocalStepStrategy(OptimizerStrategy):
             "uncommitted_steps": self.uncommitted_steps, "owner": self.owner,
             "last_round": dict(self._last_round),
         }
+        # After a committed round theta == theta0 (saved as the anchor); mid-round, after a
+        # round that did not commit, or with overlapped rounds, this worker's own theta is
+        # needed too (the checkpoint's model file holds rank 0's replica only).
         if self.uncommitted_steps > 0 or self.overlap:
             state["params"] = {n: p.detach() for n, p in zip(self.param_names, self.params)}
         state.update(self._pending_state())
