@@ -1,18 +1,21 @@
 #!/usr/bin/env python
-"""DiLoCo's exchange blocking vs overlapped with the next round (``strategy.overlap_steps``), on 4
-workers joined by slow links (scripts/netcluster, root).
+"""A local-step round's exchange blocking vs overlapped with the next round
+(``strategy.overlap_steps``), on 4 workers joined by slow links (scripts/netcluster, root).
 
-    .venv/bin/python scripts/bench_overlap.py [--repeats 2] [--rate 20mbit] [--tau 15]
+    .venv/bin/python scripts/bench_overlap.py [--strategy diloco|gasloc_2peer] [--repeats 2] \
+        [--rate 20mbit] [--tau 15]
 
 Every run is the real trainer (``python -m scape_train``), one rank per network namespace, the
-small Llama and data of ``bench_gasloc.py`` (2.6 MB per exchange), DiLoCo with H = ``--h``,
-``--steps`` nominal steps, every link at ``--rate``. The contenders, alternated in each repeat:
+small Llama and data of ``bench_gasloc.py`` (2.6 MB per exchange), DiLoCo (an all-reduce) or
+GASLoC on the 2peer graph (a gossip exchange with two peers) with H = ``--h``, ``--steps``
+nominal steps, every link at ``--rate``. The contenders, alternated in each repeat:
 blocking rounds, and rounds overlapped with ``--tau`` inner steps of the next round, landing
 by ``carry`` and by ``mix`` at alpha 0. Measured per run: the training time (first to last
 logged step, so start-up and the tokenizer are left out), the time spent waiting for the
-exchange (``comm/outer_wait_s`` summed over the logged windows, rank 0) and the final validation
-loss. The ratios are taken within a repeat.
-Writes docs/figures/bench_overlap.json and the ``bench_overlap`` section of docs/gasloc.md.
+exchange (``comm/outer_wait_s``, GASLoC ``comm/gossip_wait_s``, summed over the logged windows,
+rank 0) and the final validation loss. The ratios are taken within a repeat.
+Writes docs/figures/bench_overlap.json (GASLoC: bench_overlap_gasloc.json) and that section of
+docs/gasloc.md.
 """
 
 from __future__ import annotations
@@ -40,14 +43,21 @@ def contenders(tau: int) -> list[tuple[str, list[str]]]:
                                                 "strategy.overlap_merge=mix"])]
 
 
-def outer_wait_s(run_dir: Path) -> float:
-    """Rank 0's time waiting for the exchange over the run: each logged window's per-step mean
-    times the window's steps."""
+# --strategy: (its overrides before H, the Comm kind of its exchange, the section it writes)
+STRATEGIES = {"diloco": (["strategy=diloco"], "outer", "bench_overlap"),
+              "gasloc_2peer": (["strategy=gasloc", "strategy.topology=2peer"], "gossip",
+                               "bench_overlap_gasloc")}
+LABELS = {"diloco": "DiLoCo", "gasloc_2peer": "GASLoC 2peer"}
+
+
+def outer_wait_s(run_dir: Path, kind: str = "outer") -> float:
+    """Rank 0's time waiting for the exchange (Comm kind ``kind``) over the run: each logged
+    window's per-step mean times the window's steps."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     total, last = 0.0, 0
     for r in rows:
-        if "comm/outer_wait_s" in r:
-            total += r["comm/outer_wait_s"] * (r["step"] - last)
+        if f"comm/{kind}_wait_s" in r:
+            total += r[f"comm/{kind}_wait_s"] * (r["step"] - last)
         if "loss" in r:
             last = r["step"]
     return total
@@ -57,7 +67,8 @@ def measure(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run_args = SimpleNamespace(rate=args.rate, timeout=args.timeout, steps=args.steps, h=args.h)
-    diloco = ["strategy=diloco", f"strategy.inner_steps={args.h}"]
+    overrides, kind, _ = STRATEGIES[args.strategy]
+    strategy = [*overrides, f"strategy.inner_steps={args.h}"]
     runs = []
     for repeat in range(args.repeats):
         order = contenders(args.tau)
@@ -68,11 +79,11 @@ def measure(args) -> dict:
             load = os.getloadavg()[0]
             # validation at the end only: a validation's loss all-reduce at a round's end would
             # queue behind the exchange in flight (one connection per pair of ranks)
-            res = bench_gasloc.run_one(name, out, run_args, diloco + extra, straggler=False,
+            res = bench_gasloc.run_one(name, out, run_args, strategy + extra, straggler=False,
                                        eval_every=0)
             runs.append({"repeat": repeat, "label": label, "load_before": round(load, 2),
                          "train_s": res["train_s"], "final_val": res["final_val"],
-                         "outer_wait_s": outer_wait_s(out / name)})
+                         "outer_wait_s": outer_wait_s(out / name, kind)})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                             capture_output=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "scape_train"], cwd=REPO, text=True,
@@ -83,7 +94,8 @@ def measure(args) -> dict:
 
 def table(res: dict) -> str:
     a = res["args"]
-    lines = [f"4 workers, DiLoCo H = {a['h']}, {a['steps']} nominal steps, every link "
+    label = LABELS[a.get("strategy", "diloco")]
+    lines = [f"4 workers, {label} H = {a['h']}, {a['steps']} nominal steps, every link "
              f"{a['rate']}; {res['date']}, commit `{res['commit']}`, {res['cpus']} CPU cores.", "",
              "| repeat | run | train time (s) | vs blocking | exchange wait, rank 0 (s) "
              "| final val loss | load before |", "|---|---|---|---|---|---|---|"]
@@ -97,7 +109,8 @@ def table(res: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(REPO / "outputs" / "bench_overlap"), help="run directories")
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="diloco")
+    p.add_argument("--out", default=None, help="run directories (default outputs/<section>)")
     p.add_argument("--docs", default=str(REPO / "docs" / "figures"), help="where the JSON goes")
     p.add_argument("--steps", type=int, default=600, help="nominal steps per run")
     p.add_argument("--h", type=int, default=30, help="inner steps H")
@@ -106,12 +119,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--timeout", type=float, default=400.0, help="per run, seconds")
     args = p.parse_args()
+    section = STRATEGIES[args.strategy][2]
+    args.out = args.out or str(REPO / "outputs" / section)
     res = measure(args)
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
-    (docs / "bench_overlap.json").write_text(json.dumps(res, indent=1) + "\n")
+    (docs / f"{section}.json").write_text(json.dumps(res, indent=1) + "\n")
     print(table(res))
-    doc_sections.update("bench_overlap", figures=docs)
+    doc_sections.update(section, figures=docs)
 
 
 if __name__ == "__main__":

@@ -376,7 +376,6 @@ def test_bad_config_is_refused_with_a_clear_message():
         (dict(topology="complete", overlap_merge="average"), "overlap_merge must be"),
         (dict(topology="complete", overlap_merge="carry", overlap_local_weight=0.5),
          "set strategy.overlap_merge=mix"),
-        (dict(overlap_steps=1), "a gossip exchange does not overlap"),
         (dict(topology="complete", overlap_steps=1,
               elastic=ElasticConfig(enabled=True, replica=0, slots=1)), "commits by a vote"),
     ]
@@ -392,11 +391,16 @@ OPT_NOCLIP = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, clip_grad=
 OVERLAP_H, OVERLAP_STEPS = 4, 14     # rounds end at steps 4, 8, 12 and (the last, blocking) 14
 
 
-def _overlap_reference(rank, world, tau: float, merge: str, alpha: float, eta=0.7, gamma=0.9):
-    """This rank's flat parameters after every step, from the rule in float64: the round's
-    average lands tau inner steps into the next round (carry: theta <- theta + x - theta_end,
-    theta_end this worker's parameters at the round's end; mix: theta <- alpha theta + (1 -
-    alpha) x); the run's last round blocks (theta <- x)."""
+def _overlap_reference(rank, world, tau: float, merge: str, alpha: float, topology="complete",
+                       mix_momentum=True, eta=0.7, gamma=0.9):
+    """This rank's flat parameters after every step, from the rule in float64. At a round's end
+    the outer point x is computed: the complete graph, from the drift averaged over the
+    workers (y = theta0 - eta * avg(theta0 - theta), x = y + gamma (y - y_prev)); a gossip
+    topology, as the mix sum_j W_t[i, j] x_j of every worker's own x (the ablation
+    ``mix_momentum=False`` mixes y and adds gamma (y - y_prev) after). It lands tau inner steps
+    into the next round (theta0 <- x; carry: theta <- theta + x - theta_end, theta_end this
+    worker's parameters at the round's end; mix: theta <- alpha theta + (1 - alpha) x); the
+    run's last round blocks (theta <- x)."""
     from scape_train.optim.dense import build_local_optimizer
 
     model = tiny_model(0)
@@ -404,18 +408,48 @@ def _overlap_reference(rank, world, tau: float, merge: str, alpha: float, eta=0.
     params = [p for g in opt.param_groups for p in g["params"]]
     anchor = [p.detach().double().clone() for p in params]
     y_prev = [a.clone() for a in anchor]
-    pending, k, nominal, out = None, 0, 0, []
+    pending, k, nominal, rounds, out = None, 0, 0, 0, []
 
-    def land(avg, weight, end=None):
+    def flat(ts):
+        return torch.cat([t.reshape(-1) for t in ts])
+
+    def split(v):
+        parts, offset = [], 0
+        for p in params:
+            parts.append(v[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return parts
+
+    def everyone(v):
+        gathered = [torch.empty_like(v) for _ in range(world)]
+        dist.all_gather(gathered, v)
+        return gathered
+
+    def outer_point(t):
+        """x of this round (y_prev moves to this round's y)."""
+        if topology == "complete":
+            avg = split(torch.stack(everyone(flat([a - p.double() for a, p in zip(anchor, params)])))
+                        .mean(0))
+            ys = [anchor[i] - eta * avg[i] for i in range(len(params))]
+        else:
+            ys = [a + eta * (p.double() - a) for a, p in zip(anchor, params)]
+        moment = [gamma * (y - yp) for y, yp in zip(ys, y_prev)]
+        y_prev[:] = ys
+        if topology == "complete":
+            return [y + m for y, m in zip(ys, moment)]
+        w = mixing_matrix(topology, world, t, 0)
+        own = flat([y + m for y, m in zip(ys, moment)] if mix_momentum else ys)
+        mixed = sum(w[rank, j] * v for j, v in enumerate(everyone(own)))
+        return [x if mix_momentum else x + m for x, m in zip(split(mixed), moment)]
+
+    def land(x, weight, end=None):
         for i, p in enumerate(params):
-            y = anchor[i] - eta * avg[i]
-            x = y + gamma * (y - y_prev[i])
-            y_prev[i], anchor[i] = y, x
+            anchor[i] = x[i]
             with torch.no_grad():
                 if end is None:
-                    p.copy_(weight * p.double() + (1 - weight) * x)
+                    p.copy_(weight * p.double() + (1 - weight) * x[i])
                 else:
-                    p.copy_(p.double() + x - end[i])
+                    p.copy_(p.double() + x[i] - end[i])
 
     for step in range(1, OVERLAP_STEPS + 1):
         x, y = batch(step, rank)
@@ -431,42 +465,40 @@ def _overlap_reference(rank, world, tau: float, merge: str, alpha: float, eta=0.
             if pending is not None:   # a round no longer than tau: the last exchange lands first
                 land(*pending)
                 pending = None
-            drift = torch.cat([(a - p.double()).reshape(-1) for a, p in zip(anchor, params)])
-            gathered = [torch.empty_like(drift) for _ in range(world)]
-            dist.all_gather(gathered, drift)
-            flat = torch.stack(gathered).mean(0)
-            avg, offset = [], 0
-            for p in params:
-                avg.append(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            x_new = outer_point(rounds)
             if left <= OVERLAP_H:
-                land(avg, 0.0)
+                land(x_new, 0.0)
             else:
                 end = [p.detach().double().clone() for p in params] if merge == "carry" else None
-                pending = (avg, alpha, end)
+                pending = (x_new, alpha, end)
             nominal += min(OVERLAP_H, left)
+            rounds += 1
             k = 0
         out.append(flat_params(model))
     return out
 
 
-def _overlap_worker(rank, world, tau, merge, alpha, cut_at):
-    """The overlapped strategy (DiLoCo and complete-graph GASLoC) step by step against the
-    reference; and DiLoCo resumed from its state taken at step ``cut_at``."""
+def _overlap_worker(rank, world, tau, merge, alpha, cut_at, topology="complete", mix_momentum=True):
+    """The overlapped strategy step by step against the reference, and resumed from its state
+    taken at step ``cut_at``: DiLoCo (checked equal to complete-graph GASLoC), or GASLoC on a
+    gossip ``topology``."""
+    name = "diloco" if topology == "complete" else "gasloc"
+
     def make(name, model):
-        cfg = StrategyConfig(name=name, topology="complete", inner_steps=OVERLAP_H,
-                             overlap_steps=tau, overlap_merge=merge, overlap_local_weight=alpha)
+        cfg = StrategyConfig(name=name, topology=topology, inner_steps=OVERLAP_H,
+                             overlap_steps=tau, overlap_merge=merge, overlap_local_weight=alpha,
+                             mix_momentum=mix_momentum)
         return build_local_strategy(cfg, OPT_NOCLIP, model, Comm(), total_steps=OVERLAP_STEPS)
 
     runs = {}
-    for name in ("diloco", "gasloc"):
+    for run in ((name, "gasloc") if topology == "complete" else (name,)):
         model = tiny_model(0)
-        strategy = make(name, model)
+        strategy = make(run, model)
         log = _steps(strategy, model, 1, OVERLAP_STEPS, rank)
-        runs[name] = (flat_params(model), log)
-    reference = _overlap_reference(rank, world, tau, merge, alpha)
+        runs[run] = (flat_params(model), log)
+    reference = _overlap_reference(rank, world, tau, merge, alpha, topology, mix_momentum)
     model = tiny_model(0)
-    strategy = make("diloco", model)
+    strategy = make(name, model)
     history = []
     for step in range(1, OVERLAP_STEPS + 1):
         _steps(strategy, model, step, step, rank)
@@ -476,11 +508,23 @@ def _overlap_worker(rank, world, tau, merge, alpha, cut_at):
             torch.save(strategy.state_dict(), buf)
             buf.seek(0)
             model = tiny_model(1)
-            strategy = make("diloco", model)
+            strategy = make(name, model)
             strategy.load_state_dict(torch.load(buf, weights_only=False))
-    ends = [m for m in runs["diloco"][1] if m["progress"] is not None]
-    return {"history": history, "reference": reference, "final": runs["diloco"][0],
-            "gasloc_final": runs["gasloc"][0], "agreed": [m["progress"] for m in ends]}
+    ends = [m for m in runs[name][1] if m["progress"] is not None]
+    return {"history": history, "reference": reference, "final": runs[name][0],
+            "gasloc_final": runs.get("gasloc", runs[name])[0],
+            "agreed": [m["progress"] for m in ends]}
+
+
+def _check_overlap(res, tau):
+    for rank, r in enumerate(res):
+        assert r["agreed"] == [4, 8, 12, 14]
+        for step, (got, want) in enumerate(zip(r["history"], r["reference"]), start=1):
+            torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} step {step}: {m}")
+        # resumed (with the exchange in flight at a round's end, or mid-overlap) == uninterrupted
+        assert torch.equal(r["history"][-1], r["final"])
+        assert torch.equal(r["gasloc_final"], r["final"])   # the complete graph is DiLoCo
 
 
 @pytest.mark.parametrize("tau,merge,alpha,cut_at", [
@@ -488,15 +532,20 @@ def _overlap_worker(rank, world, tau, merge, alpha, cut_at):
     (3, "mix", 1.0, 5)])
 def test_overlapped_rounds_land_tau_steps_later_and_resume_exactly(tau, merge, alpha, cut_at):
     res = run_distributed(_overlap_worker, 2, (tau, merge, alpha, cut_at))
-    for rank, r in enumerate(res):
-        assert r["agreed"] == [4, 8, 12, 14]
-        for step, (got, want) in enumerate(zip(r["history"], r["reference"]), start=1):
-            torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=1e-5,
-                                       msg=lambda m: f"rank {rank} step {step}: {m}")
-        # resumed (with the exchange in flight at step 4, or mid-overlap) == uninterrupted
-        assert torch.equal(r["history"][-1], r["final"])
-        assert torch.equal(r["gasloc_final"], r["final"])   # the complete graph is DiLoCo
+    _check_overlap(res, tau)
     assert torch.equal(res[0]["final"], res[1]["final"])     # the last round blocks
+
+
+@pytest.mark.parametrize("topology,mix_momentum,tau,merge,alpha,cut_at", [
+    ("2peer", True, 2, "mix", 0.0, 4), ("2peer", True, 3, "carry", 0.0, 9),
+    ("1peer", True, 2, "mix", 0.5, 5), ("2peer", False, 1, "carry", 0.0, 8)])
+def test_overlapped_gossip_rounds_land_tau_steps_later_and_resume_exactly(
+        topology, mix_momentum, tau, merge, alpha, cut_at):
+    """GASLoC's gossip exchange in flight behind tau inner steps: every step against the rule
+    on 4 workers (whose replicas differ), and resumed from the strategy's state."""
+    res = run_distributed(_overlap_worker, 4, (tau, merge, alpha, cut_at, topology, mix_momentum))
+    _check_overlap(res, tau)
+    assert not torch.equal(res[0]["final"], res[1]["final"])   # gossip: the replicas differ
 
 
 # -- the trainer end to end ---------------------------------------------------------------------
@@ -557,12 +606,15 @@ def test_a_resumed_runs_total_bytes_equal_the_uninterrupted_runs(tmp_path, strat
 
 
 @pytest.mark.slow
-def test_trainer_overlapped_diloco_resumes_exactly_and_sends_the_blocking_runs_bytes(tmp_path):
-    """Stopped at step 3 (a round's exchange in flight) and resumed, an overlapped DiLoCo run
-    logs what the uninterrupted one logs; the overlap moves no byte: a blocking run of the same
-    rounds sends as much; the run ends on the outer point, the same on both ranks."""
+@pytest.mark.parametrize("strategy", [("strategy=diloco",), GASLOC_2PEER_H2[:2]],
+                         ids=["diloco", "gasloc_2peer"])
+def test_trainer_overlapped_rounds_resume_exactly_and_send_the_blocking_runs_bytes(tmp_path,
+                                                                                    strategy):
+    """Stopped at step 3 (a round's exchange in flight: DiLoCo's all-reduce, or GASLoC's gossip
+    exchange) and resumed, an overlapped run logs what the uninterrupted one logs; the overlap
+    moves no byte: a blocking run of the same rounds sends as much."""
     tok = str(tmp_path / "tok")
-    diloco = ("strategy=diloco", "strategy.inner_steps=3", "trainer.max_steps=9")
+    diloco = (*strategy, "strategy.inner_steps=3", "trainer.max_steps=9")
     overlap = (*diloco, "strategy.overlap_steps=1", "strategy.overlap_merge=carry")
     whole = run_distributed(_trainer_job, 2, (str(tmp_path / "whole"), tok, *overlap))
     run_distributed(_trainer_job, 2, (str(tmp_path / "cut"), tok, *overlap, "trainer.stop_after=3"))

@@ -61,10 +61,6 @@ def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: in
          f"overlap_local_weight (alpha) must be in [0, 1], got {cfg.overlap_local_weight}")
     need(cfg.overlap_local_weight == 0.0 or cfg.overlap_merge == "mix",
          "overlap_local_weight is mix's alpha: set strategy.overlap_merge=mix with it")
-    need(cfg.overlap_steps == 0 or cfg.topology == "complete" and cfg.mix_momentum,
-         "overlap_steps > 0 overlaps an all-reduce round: strategy=diloco, or gasloc with "
-         f"topology=complete (a gossip exchange does not overlap); got topology={cfg.topology!r}"
-         f"{'' if cfg.mix_momentum else ', mix_momentum=false'}")
     need(cfg.overlap_steps == 0 or not cfg.elastic.enabled,
          "overlap_steps > 0 with strategy.elastic: an elastic round commits by a vote after its "
          "exchange, which an overlapped round would take steps later; set overlap_steps=0")

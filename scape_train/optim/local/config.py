@@ -37,7 +37,7 @@ class StrategyConfig:
     outer_momentum: float = 0.9       # mu (DiLoCo) / gamma (GASLoC)
     outer_state_on_cpu: bool = False  # keep the outer optimizer's state in host memory
     mix_momentum: bool = True         # ablation: False mixes y and adds the momentum term after
-    # tau: the round's all-reduce runs behind this many inner steps of the next round, then lands
+    # tau: the round's exchange runs behind this many inner steps of the next round, then lands
     # (Streaming DiLoCo's overlap, torchft's fragment_sync_delay); 0 = the exchange blocks
     overlap_steps: int = 0
     # where an overlapped round lands: mix = theta <- alpha theta + (1 - alpha) theta_outer;

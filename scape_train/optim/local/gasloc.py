@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from scape_train.comm import Comm
-from .outer import OuterAlgorithm, extrapolate, outer_point
+from scape_train.comm import Comm, Handle
+from .outer import OuterAlgorithm, PendingRound, extrapolate, outer_point
 from .topology import mixing_matrix, peers
 
 
@@ -74,22 +74,36 @@ class GASLoC(OuterAlgorithm):
             a = st.on(anchor, dev)
             y_prev.copy_(outer_point(a, a - p, self.eta))
 
+    def start_mix(self, send: torch.Tensor, t: int, async_op: bool = False
+                  ) -> tuple[dict[int, torch.Tensor], Handle, int]:
+        """Round ``t``'s exchange with this worker's peers of ``W_t``, started (``async_op``: not
+        waited for; ``send`` must be left alone until it is). Returns (the peers' buffers, by
+        rank; the exchange's handle; the number of peers)."""
+        w = mixing_matrix(self.topology, self.comm.world, t, self.seed)
+        nbrs = peers(w, self.comm.rank)
+        bufs = {j: torch.empty_like(send) for j in nbrs}
+        handle = self.comm.exchange(sends=[(send, j) for j in nbrs],
+                                    recvs=[(bufs[j], j) for j in nbrs], kind="gossip",
+                                    async_op=async_op)
+        return bufs, handle, len(nbrs)
+
+    def mixed(self, send: torch.Tensor, bufs: dict[int, torch.Tensor], t: int) -> torch.Tensor:
+        """``sum_j W_t[i, j] send_j`` over this worker and its peers (their exchange landed)."""
+        rank = self.comm.rank
+        w = mixing_matrix(self.topology, self.comm.world, t, self.seed)
+        out: torch.Tensor | None = None
+        for j in sorted([*bufs, rank]):         # one fixed order on every worker
+            src, wij = (send if j == rank else bufs[j]), float(w[rank, j])
+            if out is None:
+                out = src * wij
+            else:
+                out.add_(src, alpha=wij)
+        return out
+
     def mix(self, send: torch.Tensor, t: int) -> tuple[torch.Tensor, int]:
         """``sum_j W_t[i, j] send_j`` over this worker's peers; returns (mixed, number of peers)."""
-        n, rank = self.comm.world, self.comm.rank
-        w = mixing_matrix(self.topology, n, t, self.seed)
-        nbrs = peers(w, rank)
-        bufs = {j: torch.empty_like(send) for j in nbrs}
-        self.comm.exchange(sends=[(send, j) for j in nbrs], recvs=[(bufs[j], j) for j in nbrs],
-                           kind="gossip")
-        mixed: torch.Tensor | None = None
-        for j in sorted(nbrs + [rank]):         # one fixed order on every worker
-            src, wij = (send if j == rank else bufs[j]), float(w[rank, j])
-            if mixed is None:
-                mixed = src * wij
-            else:
-                mixed.add_(src, alpha=wij)
-        return mixed, len(nbrs)
+        bufs, _, n_peers = self.start_mix(send, t)
+        return self.mixed(send, bufs, t), n_peers
 
     def round(self, t: int) -> dict[str, float]:
         if self.all_reduce_kind is not None:   # the complete graph: DiLoCo, bit for bit
@@ -105,3 +119,35 @@ class GASLoC(OuterAlgorithm):
                 self.set_params(mixed)
         return {"outer/drift_norm": drift, "outer/peers": float(n_peers),
                 "outer/committed": float(committed)}
+
+    # -- an overlapped gossip round ------------------------------------------------------------
+    def start_round(self, t: int, keep_local: bool) -> tuple[PendingRound, dict[str, float]]:
+        """The gossip round's local points and exchange, started; it lands (:meth:`land`) as the
+        mixed point ``sum_j W_t[i, j] x_j`` (+ the ablation's momentum term), computed once.
+        ``y_prev`` moves now, while theta is still the round's end point: an overlapped round
+        always commits (static groups only: elastic runs refuse ``overlap_steps``)."""
+        if self.all_reduce_kind is not None:
+            return super().start_round(t, keep_local)
+        with torch.no_grad():
+            send, momentum, drift = self._local_points()
+            # carry: the round's end point is theta0 - local
+            local = self.drift_flat() if keep_local else None
+            self._advance()
+            bufs, handle, n_peers = self.start_mix(send, t, async_op=True)
+
+        def finish() -> torch.Tensor:
+            with torch.no_grad():
+                out = self.mixed(send, bufs, t)
+                return out if momentum is None else out.add_(momentum)
+
+        metrics = {"outer/drift_norm": drift, "outer/peers": float(n_peers), "outer/committed": 1.0}
+        return PendingRound("point", handle, finish, local), metrics
+
+    def land(self, pending: PendingRound, local_weight: float) -> None:
+        if pending.what != "point":
+            return super().land(pending, local_weight)
+        point = pending.result()
+        if not self.comm.commit():
+            raise RuntimeError("an overlapped gossip round did not commit: overlapped rounds run "
+                               "on static groups only (strategy.elastic refuses overlap_steps)")
+        self.set_params(point, local_weight, pending.local)

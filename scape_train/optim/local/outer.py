@@ -43,6 +43,43 @@ def snapshot(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+class PendingRound:
+    """An overlapped round's exchange, started and not yet landed (``strategy.overlap_steps``).
+    ``result()`` waits for it once and returns what it lands: DiLoCo's averaged drift
+    (``what="delta"``) or a gossip round's mixed outer point (``what="point"``). ``local`` is this
+    worker's own drift of the round (``overlap_merge=carry``), else None."""
+
+    def __init__(self, what: str, handle: Handle | None, finish, local: torch.Tensor | None):
+        self.what, self.local = what, local
+        self._handle, self._finish, self._result = handle, finish, None
+
+    @classmethod
+    def ready(cls, what: str, result: torch.Tensor, local: torch.Tensor | None) -> "PendingRound":
+        """One whose exchange has landed already (a checkpoint's)."""
+        return cls(what, None, lambda: result, local)
+
+    def result(self) -> torch.Tensor:
+        if self._result is None:
+            if self._handle is not None:
+                self._handle.wait()
+            self._result = self._finish()
+        return self._result
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Its result (waited for) and own drift, as a checkpoint saves them."""
+        local = {} if self.local is None else {"pending_local_delta": self.local}
+        return {f"pending_{self.what}": self.result(), **local}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> "PendingRound | None":
+        for what in ("delta", "point"):
+            if f"pending_{what}" in state:
+                local = state.get("pending_local_delta")
+                return cls.ready(what, state[f"pending_{what}"].to(device, copy=True),
+                                 None if local is None else local.to(device, copy=True))
+        return None
+
+
 class OuterState:
     """``theta0`` and ``y_prev`` for each parameter, on the parameters' device or in host memory.
 
@@ -96,21 +133,53 @@ class OuterAlgorithm(abc.ABC):
         p0 = self.params[0]
         return torch.empty(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
 
-    def set_params(self, flat: torch.Tensor, local_weight: float = 0.0) -> None:
-        """theta0 <- flat, and theta <- flat (the next round starts where this one landed) or,
-        with ``local_weight`` alpha > 0 (an overlapped round landing, see ``strategy.py``),
-        theta <- alpha * theta + (1 - alpha) * flat: the inner steps taken while the exchange ran
-        are kept in part."""
+    def drift_flat(self) -> torch.Tensor:
+        """``theta0 - theta`` of every parameter, in one new flat buffer."""
+        st, dev = self.state, self.params[0].device
+        out = self.flat_like()
         offset = 0
         with torch.no_grad():
-            for p, anchor in zip(self.params, self.state.anchor):
+            for p, anchor in zip(self.params, st.anchor):
+                out[offset:offset + p.numel()].view_as(p).copy_(st.on(anchor, dev) - p)
+                offset += p.numel()
+        return out
+
+    def set_params(self, flat: torch.Tensor, local_weight: float = 0.0,
+                   local_delta: torch.Tensor | None = None) -> None:
+        """theta0 <- flat, and theta <- flat (the next round starts where this one landed); or,
+        for an overlapped round landing (see ``strategy.py``), with ``local_weight`` alpha > 0
+        theta <- alpha * theta + (1 - alpha) * flat, and given this worker's own ``local_delta``
+        of the round (``carry``) theta moves by what the round's end point moved,
+        theta <- theta + flat - (theta0 - local_delta): the inner steps taken while the
+        exchange ran are kept in part, or whole."""
+        st, dev = self.state, self.params[0].device
+        offset = 0
+        with torch.no_grad():
+            for p, anchor in zip(self.params, st.anchor):
                 view = flat[offset:offset + p.numel()].view_as(p)
-                if local_weight:
+                if local_delta is not None:   # the round's end point was theta0 - local_delta
+                    p.add_(view - st.on(anchor, dev)
+                           + local_delta[offset:offset + p.numel()].view_as(p))
+                elif local_weight:
                     p.lerp_(view, 1.0 - local_weight)
                 else:
                     p.copy_(view)
                 anchor.copy_(view)   # blocking: a host copy is read (snapshots) at once
                 offset += p.numel()
+
+    # -- an overlapped round: started at the round's end, landed tau inner steps later -------
+    def start_round(self, t: int, keep_local: bool) -> tuple[PendingRound, dict[str, float]]:
+        """Round ``t``'s exchange, started and not waited for; returns it and the round's
+        metrics. An all-reduce round (DiLoCo, complete-graph GASLoC) here; gossip overrides."""
+        delta, handle, drift, local = self.start_all_reduce(self.all_reduce_kind, async_op=True,
+                                                            keep_local=keep_local)
+        return PendingRound("delta", handle, lambda: delta, local), self.round_metrics(drift, True)
+
+    def land(self, pending: PendingRound, local_weight: float) -> None:
+        """The outer step of an overlapped round whose exchange is ``pending``."""
+        if pending.what != "delta":
+            raise ValueError(f"an all-reduce round lands an averaged delta, not a {pending.what}")
+        self.apply_all_reduce(pending.result(), local_weight, pending.local)
 
     # -- DiLoCo's round (and complete-graph GASLoC's), whole or in two halves ---------------
     all_reduce_kind: str | None = None   # the Comm kind of an all-reduce round; None: no such round
@@ -124,13 +193,8 @@ class OuterAlgorithm(abc.ABC):
         started (``async_op``: not waited for; the buffer must be left alone until it is).
         Returns (delta, its handle, this worker's drift norm ``||theta0 - theta||`` before the
         average, and with ``keep_local`` a copy of this worker's own delta)."""
-        st, dev = self.state, self.params[0].device
-        delta = self.flat_like()
-        offset = 0
+        delta = self.drift_flat()
         with torch.no_grad():
-            for p, anchor in zip(self.params, st.anchor):
-                delta[offset:offset + p.numel()].view_as(p).copy_(st.on(anchor, dev) - p)
-                offset += p.numel()
             drift = float(torch.linalg.vector_norm(delta))
             local = delta.clone() if keep_local else None
         handle = self.comm.all_reduce(delta, kind=kind, average=True, async_op=async_op)
@@ -151,22 +215,16 @@ class OuterAlgorithm(abc.ABC):
             return False
         st, dev = self.state, self.params[0].device
         with torch.no_grad():
-            out = delta  # overwritten piecewise with the new parameters
+            out = delta  # overwritten piecewise with the new outer point x
             offset = 0
             for p, anchor, y_prev in zip(self.params, st.anchor, st.y_prev):
                 sl = slice(offset, offset + p.numel())
-                a = st.on(anchor, dev)
-                y = outer_point(a, delta[sl].view_as(p), self.eta)
+                y = outer_point(st.on(anchor, dev), delta[sl].view_as(p), self.eta)
                 x = extrapolate(y, st.on(y_prev, dev), self.gamma)
                 y_prev.copy_(y)
-                if local_delta is None:
-                    out[sl].view_as(p).copy_(x)
-                else:   # the round's end point was theta0 - local_delta
-                    p.add_(x - a + local_delta[sl].view_as(p))
-                    anchor.copy_(x)
+                out[sl].view_as(p).copy_(x)
                 offset += p.numel()
-            if local_delta is None:
-                self.set_params(out, local_weight)
+            self.set_params(out, local_weight, local_delta)
         return True
 
     def all_reduce_round(self, kind: str) -> tuple[float, bool]:

@@ -13,10 +13,11 @@ Each ``step(lr)`` is one inner step of a local, non-communicating optimizer (Ada
   arrives at the next exchange with the others. At least one inner step per round.
 
 Then the outer algorithm (``diloco.py`` all-reduce, or ``gasloc.py`` gossip) runs. With
-``overlap_steps`` tau > 0 (an all-reduce round only) the round's all-reduce is started, not
-waited for: the worker takes tau inner steps of the next round from where it is, then the
-exchange lands: the outer step moves theta0 to the new outer point x, and theta moves by what
-it moved the round's end point (``overlap_merge=carry``: the tau steps kept whole) or becomes
+``overlap_steps`` tau > 0 the round's exchange (the all-reduce, or the gossip exchange) is
+started, not waited for: the worker takes tau inner steps of the next round from where it is,
+then the exchange lands: theta0 moves to the new outer point x (DiLoCo's outer step on the
+average; gossip: the mix of the peers' points), and theta moves by what x moved the round's end
+point (``overlap_merge=carry``: the tau steps kept whole) or becomes
 ``alpha * theta + (1 - alpha) * x`` (``mix``, ``overlap_local_weight`` alpha). The run's last round
 blocks, so a run ends on the outer point; a checkpoint taken while an exchange is in flight
 waits for it and saves its average, which lands tau steps after the resume as it would have.
@@ -41,12 +42,12 @@ import torch
 from torch import nn
 
 from ..base import OptimizerStrategy, set_lr
-from scape_train.comm import Comm, Handle
+from scape_train.comm import Comm
 from ..config import OptimizerConfig
 from ..dense import build_local_optimizer, grad_norm_and_clip, load_named_state_dict, named_state_dict
 from ..state import StateParts
 from .config import StrategyConfig
-from .outer import OuterAlgorithm, snapshot
+from .outer import OuterAlgorithm, PendingRound, snapshot
 
 
 def _snapshot_tree(obj: Any) -> Any:
@@ -99,9 +100,8 @@ class LocalStepStrategy(OptimizerStrategy):
         self._last_round: dict[str, float] = {}
         self.overlap, self.local_weight = cfg.overlap_steps, cfg.overlap_local_weight
         self.carry = cfg.overlap_merge == "carry"
-        # an overlapped round's exchange in flight: its delta buffer, the all-reduce's handle and
-        # (carry) this worker's own delta of the round
-        self._pending: tuple[torch.Tensor, Handle, torch.Tensor | None] | None = None
+        # an overlapped round's exchange in flight, landing `overlap` inner steps later
+        self._pending: PendingRound | None = None
 
     def _broadcast_initial(self, params: list[torch.Tensor]) -> None:
         if self.comm.world <= 1:
@@ -164,10 +164,7 @@ class LocalStepStrategy(OptimizerStrategy):
             self._land()
         last = left is not None and left <= self.nominal_h
         if self.overlap and not last:   # lands after `overlap` inner steps of the next round
-            delta, handle, drift, local = self.outer.start_all_reduce(
-                self.outer.all_reduce_kind, async_op=True, keep_local=self.carry)
-            self._pending = (delta, handle, local)
-            metrics = self.outer.round_metrics(drift, True)
+            self._pending, metrics = self.outer.start_round(self.rounds_done, keep_local=self.carry)
         else:
             metrics = self.outer.round(self.rounds_done)
         metrics["outer/inner_steps"] = float(self.steps_in_round)
@@ -183,19 +180,14 @@ class LocalStepStrategy(OptimizerStrategy):
 
     def _land(self) -> None:
         """The overlapped round's exchange: waited for now, then its outer step."""
-        delta, handle, local = self._pending
-        self._pending = None
-        handle.wait()
-        self.outer.apply_all_reduce(delta, self.local_weight, local)
+        pending, self._pending = self._pending, None
+        self.outer.land(pending, self.local_weight)
 
     def _pending_state(self) -> dict[str, torch.Tensor]:
-        """The in-flight exchange's average, waited for (a checkpoint saves it whole), and
-        (carry) this worker's own delta of that round."""
-        if self._pending is None:
-            return {}
-        delta, handle, local = self._pending
-        handle.wait()
-        return {"pending_delta": delta, **({} if local is None else {"pending_local_delta": local})}
+        """The in-flight exchange's result, waited for (a checkpoint saves it whole: an average
+        of drifts, or a gossip round's mixed point), and (carry) this worker's own delta of that
+        round."""
+        return {} if self._pending is None else self._pending.state()
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -260,10 +252,6 @@ class LocalStepStrategy(OptimizerStrategy):
                 p.copy_(source[n])   # this worker's own replica (GASLoC replicas differ)
                 if own_drift is not None:
                     p.add_(own_drift[i])
-        self._pending = None   # an overlapped round's average (and own delta), landing later
-        if "pending_delta" in state:
-            dev = self.params[0].device
-            local = state.get("pending_local_delta")
-            self._pending = (state["pending_delta"].to(dev, copy=True), Handle(self.comm, "outer"),
-                             None if local is None else local.to(dev, copy=True))
+        # an overlapped round's result (and own delta), landing later
+        self._pending = PendingRound.from_state(state, self.params[0].device)
         self._clock = self._last_mark = None
