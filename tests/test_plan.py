@@ -152,6 +152,55 @@ def test_step_replay_matches_the_bytes_a_real_step_allocates(case, monkeypatch):
     assert held - params - grads == pytest.approx(state, rel=0.02), (held - params, replay.state)
 
 
+PLAN_MODEL = ["model.n_layers=2", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2",
+              "model.ffn_dim=512", "model.vocab_size=512", "model.max_seq_len=32", "data.seq_len=32"]
+
+
+def _in_flight_worker(rank, world, overrides):
+    """The bytes each step of an overlapped local-step strategy leaves allocated (H = 2, tau = 1:
+    rounds end at steps 2 and 4, the first lands at step 3), and the plan's in-flight rows."""
+    from scape_train.comm import Comm
+    from scape_train.optim.local import build_local_strategy
+
+    cfg = compose_config([*PLAN_MODEL, *overrides])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, device="cpu")
+    strategy = build_local_strategy(cfg.strategy, cfg.optimizer, model, Comm(), total_steps=100)
+    retained = []
+    for step in range(1, 5):
+        x = torch.randint(512, (2, 32))
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        strategy.before_forward(step)
+        tracker = LiveBytes()
+        tracker.track(_real_tensors(strategy, model), "state")
+        base = tracker.live
+        with tracker:
+            strategy.step(1e-4)
+        retained.append(tracker.live - base)
+        strategy.zero_grad()
+    strategy.close()   # the last round's exchange is still in flight
+    plan = optimizer_memory(cfg, build_model(cfg.model, device="meta"), world, on_gpu=False)
+    rows = [b for what, b in plan.state if what.startswith("overlapped round in flight")]
+    return retained, sum(rows), sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("world,overrides,models", [
+    (2, ["strategy=diloco", "strategy.overlap_merge=carry"], 2),      # delta, own drift
+    (4, ["strategy=gasloc", "strategy.topology=2peer", "strategy.mix_momentum=false",
+         "strategy.overlap_merge=carry"], 5)], ids=["diloco_carry", "gasloc_2peer_ablation_carry"])
+def test_the_plan_holds_an_overlapped_rounds_buffers_as_state(world, overrides, models):
+    """What a round's end leaves allocated while its exchange is in flight (through the next
+    round's forward and backward) is what the plan adds to the state: one flat fp32 model per
+    buffer (gossip: the sent point, the ablation's momentum term, one per peer; carry: the own
+    drift)."""
+    from tests._dist import run_distributed
+
+    job = [*overrides, "optimizer=adamw", "strategy.inner_steps=2", "strategy.overlap_steps=1"]
+    for retained, planned, numel in run_distributed(_in_flight_worker, world, (job,)):
+        assert planned == models * 4 * numel
+        assert retained[3] == planned, (retained, planned)   # step 4: a round's end, in flight
+
+
 def test_a_density_warmup_plans_its_largest_step_reference_or_fused():
     """A warm-up starts on the reference path (dense mask) and moves to the fused one: the plan
     takes the larger of the reference replay at step 1 and the fused trace at the first fused

@@ -18,7 +18,8 @@ alive together are the ones the code keeps together:
   (``optim/scape/fused.py``) at the largest density it runs at, with the index vectors and
   decode tables it holds as state. Only the checkpoint's transients are replayed by hand.
 - DiLoCo / GASLoC (``optim/local/``): the inner optimizer's state plus theta0 and y_prev (in host
-  memory with ``outer_state_on_cpu``); a round adds flat buffers (GASLoC: one per peer).
+  memory with ``outer_state_on_cpu``); a round adds flat buffers (GASLoC: one per peer), held
+  as state from a round's end to its landing where rounds overlap (``overlap_steps``).
 """
 
 from __future__ import annotations
@@ -325,6 +326,29 @@ def gossip_peers(topology: str, world: int) -> int:
     return 2
 
 
+def in_flight_buffers(s, n: int, world: int) -> list[tuple[str, int]]:
+    """The flat buffers an overlapped round (``strategy.overlap_steps`` > 0) holds from its
+    exchange's start to its landing, tau inner steps into the next round (through their
+    forward and backward): DiLoCo's drift (an all-reduce round), or a gossip round's sent point,
+    the ablation's momentum term and one receive buffer per peer; with ``carry`` this worker's
+    own drift of the round. A blocking round holds them inside its step only."""
+    if all_reduce_round(s):
+        out = [("flat outer gradient delta", F32 * n)]
+    else:
+        out = [("flat gossip send buffer", F32 * n)]
+        if not s.mix_momentum:
+            out.append(("flat momentum term", F32 * n))
+        out.append(("gossip receive buffers (one per peer)", gossip_peers(s.topology, world) * F32 * n))
+    if s.overlap_steps > 0 and s.overlap_merge == "carry":
+        out.append(("own drift of the round (carry)", F32 * n))
+    return out
+
+
+def all_reduce_round(s) -> bool:
+    """DiLoCo's round, which complete-graph GASLoC runs too (``optim/local/gasloc.py``)."""
+    return s.name == "diloco" or (s.topology == "complete" and s.mix_momentum)
+
+
 def _local(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory:
     o, s = cfg.optimizer, cfg.strategy
     inner = "adams" if o.name == "adams" else "adamw"
@@ -336,17 +360,18 @@ def _local(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory
     r = Replay()
     _adam_step(r, inner, p, o, on_gpu, scaled_grads=False)
     fetch = 2 * F32 * big if on_host else 0          # theta0 and y_prev copied to the device
-    if s.name == "diloco":
-        r.alloc(F32 * n, "flat outer gradient delta")
+    buffers = in_flight_buffers(s, n, world)
+    if s.overlap_steps > 0:   # held from the round's end to its landing: state, for the plan
+        mem.state += [(f"overlapped round in flight: {what}", b) for what, b in buffers]
+    else:                     # a blocking round's, inside the step
+        for what, b in buffers:
+            r.alloc(b, what)
+    if all_reduce_round(s):
         r.spike(F32 * big + fetch, "outer gradient of the largest tensor")
         # y, y - y_prev and x of this tensor beside the previous tensor's x (rebound only after)
         r.spike(4 * F32 * big + fetch, "Nesterov outer step of the largest tensor")
     else:
-        r.alloc(F32 * n, "flat gossip send buffer")
-        if not s.mix_momentum:
-            r.alloc(F32 * n, "flat momentum term")
         r.spike(4 * F32 * big + fetch, "local extrapolation of the largest tensor")
-        r.alloc(gossip_peers(s.topology, world) * F32 * n, "gossip receive buffers (one per peer)")
         r.alloc(F32 * n, "mixed parameters")
         # once the round commits: y_prev <- y, recomputed tensor by tensor (theta0 - theta, y)
         r.spike(2 * F32 * big + fetch, "y_prev of the largest tensor (a committed round)")

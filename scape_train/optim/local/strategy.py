@@ -20,7 +20,8 @@ average; gossip: the mix of the peers' points), and theta moves by what x moved 
 point (``overlap_merge=carry``: the tau steps kept whole) or becomes
 ``alpha * theta + (1 - alpha) * x`` (``mix``, ``overlap_local_weight`` alpha). The run's last round
 blocks, so a run ends on the outer point; a checkpoint taken while an exchange is in flight
-waits for it and saves its average, which lands tau steps after the resume as it would have.
+waits for it and saves its result (the average, or the mixed point), which lands tau steps after
+the resume as it would have.
 
 A round that does not commit (elastic runs: a participant was lost, ``Comm.commit``) is applied
 by nobody: this worker keeps theta and its inner state, and its drift since the last committed
@@ -182,6 +183,12 @@ class LocalStepStrategy(OptimizerStrategy):
         """The overlapped round's exchange: waited for now, then its outer step."""
         pending, self._pending = self._pending, None
         self.outer.land(pending, self.local_weight)
+
+    def close(self) -> None:
+        """Wait for an exchange still in flight (a run stopped between a round's end and its
+        landing): the peers' sends must complete before the process group goes."""
+        if self._pending is not None:
+            self._pending.result()
 
     def _pending_state(self) -> dict[str, torch.Tensor]:
         """The in-flight exchange's result, waited for (a checkpoint saves it whole: an average
