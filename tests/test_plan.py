@@ -86,9 +86,11 @@ def _real_tensors(strategy, model) -> list[torch.Tensor]:
     return out + held_tensors(*roots)
 
 
-def _real_step_peaks(strategy, model, steps: int, after=lambda: None) -> list[int]:
+def _real_step_peaks(strategy, model, steps: int, after=lambda: None,
+                     retained: list[int] | None = None) -> list[int]:
     """The bytes each of ``steps`` real optimizer steps allocates at its peak, beyond what
-    existed before it (random-token batches through ``model``)."""
+    existed before it (random-token batches through ``model``); into ``retained``, what each
+    leaves allocated."""
     peaks = []
     for step in range(1, steps + 1):
         x = torch.randint(512, (2, 32))
@@ -100,6 +102,8 @@ def _real_step_peaks(strategy, model, steps: int, after=lambda: None) -> list[in
         with tracker:
             strategy.step(1e-4)
         peaks.append(tracker.peak - base)
+        if retained is not None:
+            retained.append(tracker.live - base)
         after()
         strategy.zero_grad()
     return peaks
@@ -166,18 +170,8 @@ def _in_flight_worker(rank, world, overrides):
     torch.manual_seed(0)
     model = build_model(cfg.model, device="cpu")
     strategy = build_local_strategy(cfg.strategy, cfg.optimizer, model, Comm(), total_steps=100)
-    retained = []
-    for step in range(1, 5):
-        x = torch.randint(512, (2, 32))
-        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
-        strategy.before_forward(step)
-        tracker = LiveBytes()
-        tracker.track(_real_tensors(strategy, model), "state")
-        base = tracker.live
-        with tracker:
-            strategy.step(1e-4)
-        retained.append(tracker.live - base)
-        strategy.zero_grad()
+    retained: list[int] = []
+    _real_step_peaks(strategy, model, 4, retained=retained)
     strategy.close()   # the last round's exchange is still in flight
     plan = optimizer_memory(cfg, build_model(cfg.model, device="meta"), world, on_gpu=False)
     rows = [b for what, b in plan.state if what.startswith("overlapped round in flight")]
