@@ -3,9 +3,15 @@
 
     .venv/bin/python scripts/bench_trainer.py [--rounds 3] [--steps 20] [--threads 2] \
         [--docs docs/figures]
+    .venv/bin/python scripts/bench_trainer.py --shape host --rounds 3 --steps 500 --skip 20 \
+        --threads 1        # the trainer's own host time per step (docs/gpu.md)
 
-One shape: GPT, 6 layers, width 384, 6 heads, seq 256, batch 8, vocab 50304 rows
-(GPT-2 BPE, 50257 tokens, padded), tied head, no biases, fp32, AdamW (clip 1.0), 2 CPU threads.
+The shape (``--shape gpt``): GPT, 6 layers, width 384, 6 heads, seq 256, batch 8, vocab 50304
+rows (GPT-2 BPE, 50257 tokens, padded), tied head, no biases, fp32, AdamW (clip 1.0), 2 CPU
+threads. ``--shape host``: 1 block of width 32, seq 16, batch 2, the classics text's own
+2048-token BPE, logging every 50 steps: compute so small that the step time difference between
+the trainer and the bare loop is the trainer's own host work per step (loader, flags, metrics,
+logging), which a GPU step must hide.
 Three contenders, each a fresh process per round, ALTERNATING round by round:
 
 ``minimal``  a GPT written the obvious way (one fused QKV projection, SDPA, tied head, loss over
@@ -18,7 +24,8 @@ Three contenders, each a fresh process per round, ALTERNATING round by round:
 Each reports the median step time after ``--skip`` warm-up steps (trainer: the median of its
 logged ``step_time_s`` windows after the first). Ratios are of medians within the same round;
 the table gives the median (min-max) of the rounds' ratios, with the load average.
-Written: bench_trainer.json and bench_trainer_table.md under ``--docs``.
+Written: bench_trainer.json and bench_trainer_table.md under ``--docs`` (host:
+bench_trainer_host.json, and the ``bench_trainer_host`` section of docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -39,7 +46,14 @@ sys.path.insert(0, str(REPO / "scripts"))
 import doc_sections  # noqa: E402
 
 GPT2_BPE = REPO.parent / "shared" / "data" / "tokenizers" / "gpt2"
-SHAPE = dict(n_layers=6, d_model=384, n_heads=6, seq=256, batch=8, vocab=50304, tokens=50257)
+# ``--shape``: ``gpt`` (above); ``host``, a model so small that its compute is a few ms and a step's
+# host work shows: the trainer's own per-step time over the bare loop's (its loader, metrics,
+# flags, logging), with the classics text's own 2048-token BPE (``tokens`` below 50257)
+SHAPES = {"gpt": dict(n_layers=6, d_model=384, n_heads=6, seq=256, batch=8, vocab=50304,
+                      tokens=50257, log_every=5),
+          "host": dict(n_layers=1, d_model=32, n_heads=2, seq=16, batch=2, vocab=2048, tokens=2048,
+                       log_every=50)}
+SHAPE = dict(SHAPES["gpt"])
 
 
 def trainer_overrides(run_dir: str, steps: int, threads: int) -> list[str]:
@@ -47,12 +61,14 @@ def trainer_overrides(run_dir: str, steps: int, threads: int) -> list[str]:
     return ["model=gpt_tiny", f"model.n_layers={s['n_layers']}", f"model.d_model={s['d_model']}",
             f"model.n_heads={s['n_heads']}", f"model.ffn_dim={4 * s['d_model']}",
             "model.bias=false", f"model.max_seq_len={s['seq']}", "model.vocab_pad_multiple=64",
-            "data=classics", "data.tokenizer.kind=gpt2", f"data.tokenizer.path={GPT2_BPE}",
+            "data=classics",
+            *(["data.tokenizer.kind=gpt2", f"data.tokenizer.path={GPT2_BPE}"]
+              if s["tokens"] == 50257 else []),
             f"data.tokenizer.vocab_size={s['tokens']}", f"data.seq_len={s['seq']}",
             f"trainer.micro_batch_size={s['batch']}", f"trainer.global_batch_size={s['batch']}",
             "trainer.precision=fp32", f"trainer.num_threads={threads}", f"trainer.max_steps={steps}",
             "trainer.warmup_steps=2", "trainer.eval_every=0", "trainer.checkpoint_every=0",
-            "trainer.log_every=5", "trainer.sample_tokens=0", "eval.enabled=false",
+            f"trainer.log_every={s['log_every']}", "trainer.sample_tokens=0", "eval.enabled=false",
             "optimizer=adamw", "optimizer.clip_grad=1.0", "logging.wandb.mode=disabled",
             "logging.progress_bar=false", f"run_dir={run_dir}"]
 
@@ -168,9 +184,9 @@ def run_trainer(steps: int, threads: int) -> dict:
     return {"step_s": statistics.median(windows), "windows": len(windows)}
 
 
-def run_worker(kind: str, steps: int, skip: int, threads: int) -> dict:
+def run_worker(kind: str, steps: int, skip: int, threads: int, shape: str = "gpt") -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--steps", str(steps), "--skip", str(skip),
-           "--threads", str(threads)]
+           "--threads", str(threads), "--shape", shape]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     if proc.returncode != 0:
@@ -208,8 +224,25 @@ def table(out: dict) -> str:
     return "\n".join(lines + ["", ratio_table(out)])
 
 
+def host_table(out: dict) -> str:
+    """The ``host`` shape's step times and the trainer's own host time per step (gpu.md)."""
+    rounds, shape = out["rounds"], out["shape"]
+    lines = [f"{shape['n_layers']} block, width {shape['d_model']}, sequence {shape['seq']}, batch "
+             f"{shape['batch']}, vocabulary {shape['vocab']}, fp32, AdamW + clip, {out['threads']} "
+             f"thread(s), {out['steps']} steps per contender per round, {len(rounds)} alternating "
+             f"rounds; load {out['load'][0]:.2f} -> {out['load'][1]:.2f}.", "",
+             "| contender | step time, ms: median (min-max) over rounds |", "|---|---|"]
+    for kind in ("minimal", "bare", "trainer"):
+        st = [1e3 * rd[kind]["step_s"] for rd in rounds]
+        lines.append(f"| {kind} | {_spread(st)} |")
+    extra = [1e3 * (rd["trainer"]["step_s"] - rd["bare"]["step_s"]) for rd in rounds]
+    lines.append(f"| trainer - bare (the trainer's own host time per step) | {_spread(extra)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="gpt")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--skip", type=int, default=3)
@@ -217,10 +250,11 @@ def main() -> None:
     p.add_argument("--worker", choices=["minimal", "bare"])
     p.add_argument("--docs", default=str(REPO / "docs" / "figures"))
     a = p.parse_args()
+    SHAPE.update(SHAPES[a.shape])
     if a.worker:
         print(json.dumps(worker(a.worker, a.steps, a.skip, a.threads)))
         return
-    if not GPT2_BPE.exists():
+    if a.shape == "gpt" and not GPT2_BPE.exists():
         sys.exit(f"bench_trainer needs the GPT-2 BPE files at {GPT2_BPE} (../shared/data)")
     load0 = os.getloadavg()[0]
     rounds = []
@@ -230,7 +264,7 @@ def main() -> None:
         res = {}
         for kind in order:
             res[kind] = (run_trainer(a.steps, a.threads) if kind == "trainer"
-                         else run_worker(kind, a.steps, a.skip, a.threads))
+                         else run_worker(kind, a.steps, a.skip, a.threads, a.shape))
             print(f"round {r}: {kind:8s} {res[kind]['step_s']:.3f} s/step", flush=True)
         rounds.append(res)
     load1 = os.getloadavg()[0]
@@ -241,13 +275,18 @@ def main() -> None:
     out = {"shape": SHAPE, "threads": a.threads, "steps": a.steps, "load": [load0, load1],
            "cpus": os.cpu_count(), "rounds": rounds,
            "ratios": {k: ratios(*k.split("/")) for k in RATIOS}}
-    print(table(out))
+    assert all(math.isfinite(x) for v in out["ratios"].values() for x in v)
     docs = Path(a.docs)
     docs.mkdir(parents=True, exist_ok=True)
+    if a.shape == "host":
+        print(host_table(out))
+        (docs / "bench_trainer_host.json").write_text(json.dumps(out, indent=1))
+        doc_sections.update("bench_trainer_host", figures=docs)
+        return
+    print(table(out))
     (docs / "bench_trainer.json").write_text(json.dumps(out, indent=1))
     (docs / "bench_trainer_table.md").write_text(table(out) + "\n")
     doc_sections.update("bench_trainer", figures=docs)
-    assert all(math.isfinite(x) for v in out["ratios"].values() for x in v)
 
 
 if __name__ == "__main__":
