@@ -108,6 +108,8 @@ SECTIONS: list[Section] = [
     _page("cost_model", "performance.md", "cost_model", "cost_model.json", _cost),
     _page("bench_trainer", "performance.md", "bench_trainer", "bench_trainer.json",
           fn="ratio_table"),
+    _page("bench_trainer_host", "gpu.md", "bench_trainer", "bench_trainer_host.json",
+          fn="host_table"),
     _page("bench_device_ops", "gpu.md", "bench_device_ops", "bench_device_ops.json", fn="render"),
     # a device run's targets: registered once its JSON is committed (scripts/gpu_targets.py)
     *([_page("gpu_targets", "gpu.md", "gpu_targets", "gpu_check.json", fn="render")]
@@ -116,6 +118,7 @@ SECTIONS: list[Section] = [
           _checkpoint),
     _page("bench_gasloc", "gasloc.md", "bench_gasloc", "bench_gasloc_results.json", _gasloc),
     _page("bench_overlap", "gasloc.md", "bench_overlap", "bench_overlap.json"),
+    _page("bench_overlap_gasloc", "gasloc.md", "bench_overlap", "bench_overlap_gasloc.json"),
     _page("bench_elastic", "reliability.md", "bench_elastic", "bench_elastic.json"),
     # the README's figures: re-rendered by `scripts/doc_sections.py` after any of these JSON change
     Section("readme_headline", "README.md", "scripts/readme_figures.py",
