@@ -31,6 +31,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -176,6 +177,41 @@ class Handle:
             self._finish()
         timer.stop()
         self.done = True
+
+
+# One phase of a point-to-point exchange: (sends, recvs), each a list of (tensor, peer).
+Phase = tuple[list[tuple[torch.Tensor, int]], list[tuple[torch.Tensor, int]]]
+
+
+class _Works(list):
+    """Backend work objects waited for together."""
+
+    def wait(self) -> None:
+        while self:
+            work = self.pop(0)
+            if work is not None:
+                work.wait()
+
+
+class _PhasesInThread:
+    """A phased exchange run by a daemon thread; ``wait()`` joins it and raises what it raised."""
+
+    def __init__(self, run):
+        self._error: BaseException | None = None
+
+        def target():
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=target, name="scape-exchange", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def default_device(backend: str) -> torch.device:
@@ -373,26 +409,52 @@ class Comm:
         dist.broadcast(tensor, src=self._global(src), group=self.group)
         return self._run(kind, None, False, timer=timer)
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-                 *, kind: str, async_op: bool = False) -> Handle:
-        """Point-to-point: send each ``(tensor, peer)`` and receive into each ``(tensor, peer)``."""
-        self._check(*(t for t, _ in sends), *(t for t, _ in recvs))
-        c10d = dist.distributed_c10d    # P2POp accepts only c10d's own isend/irecv objects
-        ops = [dist.P2POp(c10d.isend, t, self._global(p), self.group) for t, p in sends]
-        ops += [dist.P2POp(c10d.irecv, t, self._global(p), self.group) for t, p in recvs]
-        if not ops:
+    def exchange(self, phases: list[Phase], *, kind: str, async_op: bool = False) -> Handle:
+        """Point-to-point in phases: each phase ``(sends, recvs)`` sends each ``(tensor, peer)``
+        and receives into each ``(tensor, peer)``. On gloo a phase starts when the one before it
+        has finished (async: a thread issues them behind the caller), so a phase in which each
+        worker sends to one peer puts one flow on each TCP link: two at once out of one slow link
+        took about twice as long as the same bytes sent one after the other (docs/gasloc.md,
+        "The exchange in phases"). On NCCL every phase goes out in one batch, which NCCL
+        schedules itself (not measured)."""
+        phases = self._checked(phases)
+        if not phases:
             return Handle(self, kind)
-        self.count(kind, sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs))
+        self._count_phases(kind, phases)
         timer = self._start_timer(kind, async_op)
-        works = dist.batch_isend_irecv(ops)
+        if self.device.type != "cpu":
+            c10d = dist.distributed_c10d    # P2POp accepts only c10d's own isend/irecv objects
+            work = _Works(dist.batch_isend_irecv(
+                [dist.P2POp(c10d.isend, t, self._global(p), self.group) for s, _ in phases
+                 for t, p in s]
+                + [dist.P2POp(c10d.irecv, t, self._global(p), self.group) for _, r in phases
+                   for t, p in r]))
+        elif async_op:
+            work = _PhasesInThread(lambda: self._gloo_phases(phases))
+        else:
+            work = self._gloo_phases(phases)
+        return self._run(kind, work, async_op, None if async_op else work.wait, timer)
 
-        class _All:
-            def wait(self_inner):
-                for w in works:
-                    w.wait()
+    def _checked(self, phases: list[Phase]) -> list[Phase]:
+        """The phases with anything to do, their tensors checked."""
+        phases = [(list(s), list(r)) for s, r in phases if s or r]
+        self._check(*(t for s, r in phases for t, _ in s + r))
+        return phases
 
-        return self._run(kind, _All(), async_op, None if async_op else (lambda: _All().wait()),
-                         timer)
+    def _count_phases(self, kind: str, phases: list[Phase]) -> None:
+        self.count(kind, sum(_nbytes(t) for s, _ in phases for t, _ in s),
+                   sum(_nbytes(t) for _, r in phases for t, _ in r))
+
+    def _gloo_phases(self, phases: list[Phase]) -> "_Works":
+        """Each phase issued, then waited for, in turn. Op by op, not through batch_isend_irecv:
+        its coalescing state is the group's, which a collective issued meanwhile from the
+        trainer's thread would share."""
+        works = _Works()
+        for sends, recvs in phases:
+            works.extend(dist.isend(t, self._global(p), self.group) for t, p in sends)
+            works.extend(dist.irecv(t, self._global(p), self.group) for t, p in recvs)
+            works.wait()
+        return works
 
     def commit(self) -> bool:
         """The outer round's vote, after its exchange: may this worker apply the round? A static
@@ -484,20 +546,20 @@ class ReplicaComm(Comm):
         timer.stop()
         return Handle(self, kind)
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-                 *, kind: str, async_op: bool = False) -> Handle:
+    def exchange(self, phases: list[Phase], *, kind: str, async_op: bool = False) -> Handle:
         if async_op:
             raise NotImplementedError("across replica groups the exchange is blocking")
-        self._check(*(t for t, _ in sends), *(t for t, _ in recvs))
-        if self.manager.errored() or not (sends or recvs):
+        phases = self._checked(phases)
+        if self.manager.errored() or not phases:
             return Handle(self, kind)
-        self.count(kind, sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs))
+        self._count_phases(kind, phases)
         timer = self._start_timer(kind, async_op=False)
         try:
-            works = [self.pg.send([t], peer, 0) for t, peer in sends]
-            works += [self.pg.recv([t], peer, 0) for t, peer in recvs]
-            for w in works:
-                w.wait()
+            for sends, recvs in phases:       # one after another, as Comm.exchange
+                works = [self.pg.send([t], peer, 0) for t, peer in sends]
+                works += [self.pg.recv([t], peer, 0) for t, peer in recvs]
+                for w in works:
+                    w.wait()
         except Exception as exc:  # noqa: BLE001 - a lost peer fails the round's vote, not the job
             self.manager.report_error(exc)
         timer.stop()

@@ -35,7 +35,7 @@ def _comm_worker(rank, world):
     out["bcast"] = b
     send = torch.full((2,), float(rank))
     recv = torch.empty(2)
-    comm.exchange([(send, (rank + 1) % world)], [(recv, (rank - 1) % world)], kind="gossip")
+    comm.exchange([([(send, (rank + 1) % world)], [(recv, (rank - 1) % world)])], kind="gossip")
     out["recv"] = recv
     a2a_in = torch.arange(2 * world, dtype=torch.int64) + 100 * rank
     a2a_out = torch.empty_like(a2a_in)
@@ -47,6 +47,57 @@ def _comm_worker(rank, world):
     comm.all_reduce(torch.ones(2), kind="payload")
     out["total_after"] = comm.total_sent_bytes()
     return out
+
+
+def _phased_exchange_worker(rank, world, async_op):
+    import torch.distributed as dist
+
+    import scape_train.comm as comm_mod
+
+    events: list[str] = []
+    isend, irecv, works_wait = dist.isend, dist.irecv, comm_mod._Works.wait
+
+    def logged_isend(t, dst, *a, **k):
+        events.append(f"send {dst}")
+        return isend(t, dst, *a, **k)
+
+    def logged_irecv(t, src, *a, **k):
+        events.append(f"recv {src}")
+        return irecv(t, src, *a, **k)
+
+    def logged_wait(self):
+        if self:
+            events.append("wait")
+        works_wait(self)
+
+    dist.isend, dist.irecv, comm_mod._Works.wait = logged_isend, logged_irecv, logged_wait
+    comm = Comm()
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    fwd, bwd = torch.full((3,), float(rank)), torch.full((3,), 10.0 + rank)
+    from_prev, from_next = torch.empty(3), torch.empty(3)
+    handle = comm.exchange([([(fwd, nxt)], [(from_prev, prev)]), ([(bwd, prev)], [(from_next, nxt)])],
+                           kind="gossip", async_op=async_op)
+    total = torch.ones(2)
+    comm.all_reduce(total, kind="val", average=False)   # the trainer's thread, meanwhile
+    handle.wait()
+    return {"events": events, "from_prev": from_prev, "from_next": from_next, "total": total,
+            "stats": comm.pop_stats()}
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_exchange_runs_its_phases_one_after_another(async_op):
+    """A phase's sends are issued only once the phase before it has finished (blocking, and
+    async on gloo, where a thread runs the phases while the caller issues other collectives)."""
+    world = 3
+    res = run_distributed(_phased_exchange_worker, world, (async_op,))
+    for rank, r in enumerate(res):
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+        assert r["events"] == [f"send {nxt}", f"recv {prev}", "wait", f"send {prev}",
+                               f"recv {nxt}", "wait"]
+        assert torch.equal(r["from_prev"], torch.full((3,), float(prev)))
+        assert torch.equal(r["from_next"], torch.full((3,), 10.0 + nxt))
+        assert torch.equal(r["total"], torch.full((2,), 3.0))
+        assert r["stats"]["comm/gossip_sent_bytes"] == r["stats"]["comm/gossip_recv_bytes"] == 24
 
 
 def test_collectives_and_byte_counts_three_ranks():
@@ -144,5 +195,5 @@ def test_blocking_collectives_count_their_wait_on_cuda(collective, monkeypatch):
      "reduce_scatter": lambda: comm.reduce_scatter(torch.zeros(2), x, kind="k"),
      "all_to_all": lambda: comm.all_to_all(torch.zeros(4), x, kind="k"),
      "broadcast": lambda: comm.broadcast(x, kind="k"),
-     "exchange": lambda: comm.exchange([(x, 1)], [(torch.zeros(4), 1)], kind="k")}[collective]()
+     "exchange": lambda: comm.exchange([([(x, 1)], [(torch.zeros(4), 1)])], kind="k")}[collective]()
     assert comm.pop_stats()["comm/wait_s"] == pytest.approx(1.0)

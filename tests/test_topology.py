@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scape_train.optim.local.topology import TOPOLOGIES, mixing_matrix, peers, permutation
+from scape_train.optim.local.topology import (TOPOLOGIES, exchange_phases, mixing_matrix, peers,
+                                              permutation)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
@@ -71,9 +72,30 @@ def test_graph_is_a_pure_function_of_seed_and_round_and_changes_over_rounds():
     assert sorted(permutation(8, 3, 5)) == list(range(8))
 
 
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9])
+def test_exchange_phases_are_permutations_covering_each_peer_once(topology, n):
+    """In each phase every worker sends to at most one peer and the receiver expects exactly
+    that sender (one flow per link and direction); over the phases each worker sends to and
+    receives from each of its peers in W_t once."""
+    for t in range(8):
+        w = mixing_matrix(topology, n, t, seed=4)
+        phases = {i: exchange_phases(topology, n, t, 4, i) for i in range(n)}
+        for i in range(n):
+            assert sorted(dst for dst, _ in phases[i]) == peers(w, i)
+            assert sorted(src for _, src in phases[i]) == peers(w, i)
+            for p, (dst, src) in enumerate(phases[i]):
+                assert phases[dst][p][1] == i          # the receiver expects this sender then
+                assert phases[src][p][0] == i
+        if topology == "2peer" and n >= 3:
+            assert {len(ph) for ph in phases.values()} == {2}
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="unknown topology"):
         mixing_matrix("ring", 4, 0, 0)
+    with pytest.raises(ValueError, match="unknown topology"):
+        exchange_phases("ring", 4, 0, 0, 0)
     with pytest.raises(ValueError, match="at least one worker"):
         mixing_matrix("2peer", 0, 0, 0)
     with pytest.raises(ValueError, match="seed and round"):

@@ -28,7 +28,7 @@ import torch
 
 from scape_train.comm import Comm, Handle
 from .outer import OuterAlgorithm, PendingRound, extrapolate, outer_point
-from .topology import mixing_matrix, peers
+from .topology import exchange_phases, mixing_matrix
 
 
 class GASLoC(OuterAlgorithm):
@@ -79,13 +79,11 @@ class GASLoC(OuterAlgorithm):
         """Round ``t``'s exchange with this worker's peers of ``W_t``, started (``async_op``: not
         waited for; ``send`` must be left alone until it is). Returns (the peers' buffers, by
         rank; the exchange's handle; the number of peers)."""
-        w = mixing_matrix(self.topology, self.comm.world, t, self.seed)
-        nbrs = peers(w, self.comm.rank)
-        bufs = {j: torch.empty_like(send) for j in nbrs}
-        handle = self.comm.exchange(sends=[(send, j) for j in nbrs],
-                                    recvs=[(bufs[j], j) for j in nbrs], kind="gossip",
-                                    async_op=async_op)
-        return bufs, handle, len(nbrs)
+        phases = exchange_phases(self.topology, self.comm.world, t, self.seed, self.comm.rank)
+        bufs = {src: torch.empty_like(send) for _, src in phases}
+        handle = self.comm.exchange([([(send, dst)], [(bufs[src], src)]) for dst, src in phases],
+                                    kind="gossip", async_op=async_op)
+        return bufs, handle, len(bufs)
 
     def mixed(self, send: torch.Tensor, bufs: dict[int, torch.Tensor], t: int) -> torch.Tensor:
         """``sum_j W_t[i, j] send_j`` over this worker and its peers (their exchange landed)."""

@@ -11,6 +11,10 @@ an RNG seeded by ``(seed, t)`` alone (numpy's SeedSequence, so it is the same on
 
 Each ``W_t`` is symmetric with rows summing to one (doubly stochastic), so a gossip step
 ``theta_i = sum_j W[i, j] x_j`` preserves the mean over workers.
+
+The exchange runs in phases (:func:`exchange_phases`), each a permutation of the workers: in a
+phase every worker sends to at most one peer and receives from at most one, so no two of its
+flows share its link (2peer: forward round the ring, then backward).
 """
 
 from __future__ import annotations
@@ -59,3 +63,22 @@ def mixing_matrix(topology: str, n: int, t: int, seed: int) -> torch.Tensor:
 def peers(w: torch.Tensor, rank: int) -> list[int]:
     """The workers ``rank`` exchanges with (both directions: ``W`` is symmetric), ascending."""
     return [j for j in range(w.shape[0]) if j != rank and w[rank, j] > 0]
+
+
+def exchange_phases(topology: str, n: int, t: int, seed: int, rank: int) -> list[tuple[int, int]]:
+    """Round ``t``'s exchange for worker ``rank`` as ``(send_to, receive_from)`` per phase, in
+    order. Each phase is a permutation of the workers (its sends are everyone's receives), and
+    over the phases ``rank`` sends to and receives from each of its peers in ``W_t`` once."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}; valid: {list(TOPOLOGIES)}")
+    if topology == "complete":   # shifts: phase s sends to rank + s, receives from rank - s
+        return [((rank + s) % n, (rank - s) % n) for s in range(1, n)]
+    pi = permutation(n, t, seed)
+    k = pi.index(rank)
+    if topology == "1peer" or n == 2:
+        partner = k + 1 if k % 2 == 0 else k - 1
+        return [(pi[partner], pi[partner])] if partner < n else []
+    if n == 1:
+        return []
+    nxt, prev = pi[(k + 1) % n], pi[(k - 1) % n]
+    return [(nxt, prev), (prev, nxt)]
