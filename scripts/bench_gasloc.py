@@ -137,6 +137,24 @@ def markdown(results: dict, args) -> str:
     if "equal" in results:
         for r in results["equal"]["runs"]:
             lines.append(f"| equal bandwidth | {r['name']} | {r['final_val']:.4f} | {r['train_s']:.1f} | |")
+    return "\n".join(lines) + "\n" + milestones(results, args.steps // 2)
+
+
+MILESTONES = (4.9, 4.8, 4.75)   # validation losses every run passes on the way to ~4.7
+
+
+def milestones(results: dict, mid_step: int) -> str:
+    """Each run's time (s) to reach each of MILESTONES, and its validation loss at ``mid_step``."""
+    lines = ["", "Time (s) to other losses, from the same runs:", "",
+             "| run | " + " | ".join(f"to {m}" for m in MILESTONES) + f" | val loss at step {mid_step} |",
+             "|---|" + "---|" * (len(MILESTONES) + 1)]
+    for part in ("straggler", "equal"):
+        for r in results.get(part, {}).get("runs", []):
+            times = [time_to(r["val"], m) for m in MILESTONES]
+            mid = next((v for s, _, v in r["val"] if s == mid_step), None)
+            lines.append(f"| {r['name']} | " + " | ".join("never" if t is None else f"{t:.1f}"
+                                                        for t in times)
+                         + f" | {'-' if mid is None else f'{mid:.3f}'} |")
     return "\n".join(lines) + "\n"
 
 
