@@ -7,7 +7,7 @@ length), run at several horizons:
 
 1. ``tune``: every setting (dense AdamS included) and the local-step candidates at
    ``--tune-steps`` (10000), seed 0, at 3 lrs (its search lr x 0.5, 1, 2), the grid extended
-   one step past an edge where the winner sits (at most twice per side); the lowest final
+   one step past an edge where the winner sits (``--max-extensions``, 4, per side); the lowest final
    validation loss wins and is used at every horizon;
 2. ``horizons``: the settings at every horizon (3000, 10000, 30000 steps), 3 paired seeds for
    dense AdamS and SCAPE-99, seed 0 for the others.
@@ -60,7 +60,10 @@ H_BEGIN, H_END = doc_sections.markers("study_horizons")
 HORIZONS = (3000, 10000, 30000)
 TUNE_STEPS = 10000
 LR_FACTORS = (0.5, 1.0, 2.0)
-MAX_EXTENSIONS = 2               # lrs added beyond each edge of the grid while the winner sits there
+# lrs added beyond each edge of the grid while the winner sits there: 2 left DiLoCo's and GASLoC's
+# winners at their lowest lr, where the outer Nesterov step (0.7, 0.9: about 7x an inner step's
+# drift once its momentum builds) wants inner lrs below dense training's
+MAX_EXTENSIONS = 4
 CHECKPOINT_EVERY = 1000
 MARGIN = s99.MARGIN
 BASELINE = s99.BASELINE
@@ -94,6 +97,7 @@ class Plan:
     lr_factors: tuple[float, ...] = LR_FACTORS
     settings: tuple[str, ...] = tuple(SETTINGS)
     seeds: int | None = None     # None: each setting's own; else at most this many
+    max_extensions: int = MAX_EXTENSIONS
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,7 @@ def tuning(results: dict, setting: str, p: Plan) -> tuple[list[float], float | N
 
     The grid starts at ``p.lr_factors`` of the search lr. Once every lr of it has finished, a
     winner at the lowest (highest) lr adds the next lr below (above) it, one grid ratio further,
-    at most ``MAX_EXTENSIONS`` times per side, so a winner is only taken where both neighbours
+    at most ``p.max_extensions`` times per side, so a winner is only taken where both neighbours
     lost (or the extensions ran out: ``at_edge``). The winner is None until every lr of the
     grid has finished, or if all diverged."""
     done = _tune_losses(results, setting, p)
@@ -156,7 +160,7 @@ def tuning(results: dict, setting: str, p: Plan) -> tuple[list[float], float | N
                 "high" if math.isclose(best, max(grid)) else None)
         if side is None or len(grid) < 2:
             return grid, best, False
-        if extended[side] == MAX_EXTENSIONS:
+        if extended[side] == p.max_extensions:
             return grid, best, True
         extended[side] += 1
         factors = ([factors[0] / ratio, *factors] if side == "low" else
@@ -354,6 +358,7 @@ def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> di
                     held_out.setdefault(str(r["steps"]), {}).setdefault(
                         str(r["seed"]), {})[name] = {**g, "val": r["final_val_loss"]}
     return {"params": params, "tokens_per_step": step_tokens, "tune_steps": p.tune_steps,
+            "max_extensions": p.max_extensions,
             "horizons": list(p.horizons), "margin": MARGIN, "tune": tune, "gaps": gaps,
             "fit": fit, "frontier": front, "held_out": held_out}
 
@@ -383,7 +388,8 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
              f"The search's setup ({s['params']:,} parameters, {s['tokens_per_step']:,} tokens per "
              f"step) at {', '.join(f'{h:,}' for h in s['horizons'])} steps, each run's lr schedule "
              f"ending at its own length. lr tuned at {s['tune_steps']:,} steps on seed 0 (3 values "
-             "per setting, one more past an edge where the winner sits, at most twice per side), "
+             "per setting, one more past an edge where the winner sits, at most "
+             f"{s['max_extensions']} per side), "
              "the winner used at every horizon. Gaps are to dense AdamS on the same "
              "seed: the mean over paired seeds with its 95% t-interval, or seed 0's alone.", "",
              "| setting | lr: final val loss (seed 0) | winner |", "|---|---|---|"]
@@ -556,6 +562,8 @@ def parse(argv=None):
     a.add_argument("--lr-factors", type=float, nargs="+", default=list(LR_FACTORS))
     a.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     a.add_argument("--seeds", type=int, default=None, help="at most this many seeds per setting")
+    a.add_argument("--max-extensions", type=int, default=MAX_EXTENSIONS,
+                   help="lrs added past each edge of a grid while its winner sits there")
     a.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY)
     a.add_argument("--out-dir", default=None, help="default: outputs/study_horizons of this "
                    "checkout (of --drive's)")
@@ -614,7 +622,7 @@ def main(argv=None) -> int:
     a.out_dir = a.out_dir or str(root / "outputs" / "study_horizons")
     p = Plan(shape=a.shape, ranks=a.ranks, horizons=tuple(sorted(a.horizons)),
              tune_steps=a.tune_steps, lr_factors=tuple(a.lr_factors), settings=tuple(a.settings),
-             seeds=a.seeds)
+             seeds=a.seeds, max_extensions=a.max_extensions)
     json_path, runs_dir = Path(a.json), Path(a.out_dir) / "runs"
     results = {**sq.json_runs(json_path), **s99.load(runs_dir)} if runs_dir.exists() \
         else sq.json_runs(json_path)

@@ -4,6 +4,7 @@ read), and a study run killed after a checkpoint that resumes to the uninterrupt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -63,7 +64,7 @@ def test_plan_tunes_first_then_runs_every_horizon_at_the_winner():
 
 
 def test_a_winner_at_the_grids_edge_extends_the_grid_before_any_horizon_runs():
-    p = sh.Plan(settings=("adams",))
+    p = sh.Plan(settings=("adams",), max_extensions=2)
     results = {}
 
     def finish(lr: float, loss: float | None) -> None:
@@ -86,10 +87,15 @@ def test_a_winner_at_the_grids_edge_extends_the_grid_before_any_horizon_runs():
     assert tune_lrs() == {1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3}
     finish(1.25e-4, 3.30)
     grid, best, at_edge = sh.tuning(results, "adams", p)
-    assert (best, at_edge) == (1.25e-4, True) and len(grid) == 3 + sh.MAX_EXTENSIONS
+    assert (best, at_edge) == (1.25e-4, True) and len(grid) == 3 + p.max_extensions
     s = sh.horizon_summary(results, PARAMS, TOKENS, p)
     assert s["tune"]["adams"]["at_edge"] and len(s["tune"]["adams"]["losses"]) == 5
     assert "(at the grid's edge after its extensions)" in sh.render_horizons(s, "figures")
+    assert "at most 2 per side" in sh.render_horizons(s, "figures")
+    # the study's own rule goes further down before the edge is final: no winner until 6.25e-5
+    wider = dataclasses.replace(p, max_extensions=sh.MAX_EXTENSIONS)
+    assert sh.MAX_EXTENSIONS > 2 and sh.tuning(results, "adams", wider)[1:] == (None, False)
+    assert 6.25e-5 in {r.lr for r, _ in sh.plan(results, wider) if r.stage == "tune"}
     # the highest lr winning extends upwards; a diverged run never wins
     results.clear()
     for lr, loss in ((5e-4, 3.6), (1e-3, 3.5), (2e-3, 3.4)):
