@@ -3,19 +3,20 @@
 (``strategy.overlap_steps``), on 4 workers joined by slow links (scripts/netcluster, root).
 
     .venv/bin/python scripts/bench_overlap.py [--strategy diloco|gasloc_2peer] [--repeats 2] \
-        [--rate 20mbit] [--tau 15]
+        [--rate 20mbit] [--tau 15] [--straggler-rate 20mbit --rate 200mbit]
 
 Every run is the real trainer (``python -m scape_train``), one rank per network namespace, the
 small Llama and data of ``bench_gasloc.py`` (2.6 MB per exchange), DiLoCo (an all-reduce) or
 GASLoC on the 2peer graph (a gossip exchange with two peers) with H = ``--h``, ``--steps``
-nominal steps, every link at ``--rate``. The contenders, alternated in each repeat:
+nominal steps, every link at ``--rate`` (with ``--straggler-rate``, rank 3's at that rate: a
+bandwidth straggler, as in ``bench_gasloc.py``). The contenders, alternated in each repeat:
 blocking rounds, and rounds overlapped with ``--tau`` inner steps of the next round, landing
 by ``carry`` and by ``mix`` at alpha 0. Measured per run: the training time (first to last
 logged step, so start-up and the tokenizer are left out), the time spent waiting for the
 exchange (``comm/outer_wait_s``, GASLoC ``comm/gossip_wait_s``, summed over the logged windows,
 rank 0) and the final validation loss. The ratios are taken within a repeat.
-Writes docs/figures/bench_overlap.json (GASLoC: bench_overlap_gasloc.json) and that section of
-docs/gasloc.md.
+Writes docs/figures/bench_overlap.json (GASLoC: bench_overlap_gasloc.json; with a straggler,
+``_straggler`` added to the name) and that section of docs/gasloc.md.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ STRATEGIES = {"diloco": (["strategy=diloco"], "outer", "bench_overlap"),
 LABELS = {"diloco": "DiLoCo", "gasloc_2peer": "GASLoC 2peer"}
 
 
+def section_name(strategy: str, straggler_rate: str | None) -> str:
+    """The docs section (and JSON name) a run of ``strategy`` writes."""
+    return STRATEGIES[strategy][2] + ("_straggler" if straggler_rate else "")
+
+
 def outer_wait_s(run_dir: Path, kind: str = "outer") -> float:
     """Rank 0's time waiting for the exchange (Comm kind ``kind``) over the run: each logged
     window's per-step mean times the window's steps."""
@@ -66,7 +72,8 @@ def outer_wait_s(run_dir: Path, kind: str = "outer") -> float:
 def measure(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    run_args = SimpleNamespace(rate=args.rate, timeout=args.timeout, steps=args.steps, h=args.h)
+    run_args = SimpleNamespace(rate=args.rate, timeout=args.timeout, steps=args.steps, h=args.h,
+                               straggler_rate=args.straggler_rate)
     overrides, kind, _ = STRATEGIES[args.strategy]
     strategy = [*overrides, f"strategy.inner_steps={args.h}"]
     runs = []
@@ -79,8 +86,8 @@ def measure(args) -> dict:
             load = os.getloadavg()[0]
             # validation at the end only: a validation's loss all-reduce at a round's end would
             # queue behind the exchange in flight (one connection per pair of ranks)
-            res = bench_gasloc.run_one(name, out, run_args, strategy + extra, straggler=False,
-                                       eval_every=0)
+            res = bench_gasloc.run_one(name, out, run_args, strategy + extra,
+                                       straggler=bool(args.straggler_rate), eval_every=0)
             runs.append({"repeat": repeat, "label": label, "load_before": round(load, 2),
                          "train_s": res["train_s"], "final_val": res["final_val"],
                          "outer_wait_s": outer_wait_s(out / name, kind)})
@@ -95,8 +102,10 @@ def measure(args) -> dict:
 def table(res: dict) -> str:
     a = res["args"]
     label = LABELS[a.get("strategy", "diloco")]
-    lines = [f"4 workers, {label} H = {a['h']}, {a['steps']} nominal steps, every link "
-             f"{a['rate']}; {res['date']}, commit `{res['commit']}`, {res['cpus']} CPU cores.", "",
+    links = (f"links {a['rate']}, rank 3's {a['straggler_rate']}" if a.get("straggler_rate")
+             else f"every link {a['rate']}")
+    lines = [f"4 workers, {label} H = {a['h']}, {a['steps']} nominal steps, {links}; "
+             f"{res['date']}, commit `{res['commit']}`, {res['cpus']} CPU cores.", "",
              "| repeat | run | train time (s) | vs blocking | exchange wait, rank 0 (s) "
              "| final val loss | load before |", "|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
@@ -116,10 +125,12 @@ def main() -> None:
     p.add_argument("--h", type=int, default=30, help="inner steps H")
     p.add_argument("--tau", type=int, default=15, help="overlap_steps of the overlapped runs")
     p.add_argument("--rate", default="20mbit", help="every link's rate")
+    p.add_argument("--straggler-rate", default=None,
+                   help="rank 3's link rate (a bandwidth straggler); default: as every link")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--timeout", type=float, default=400.0, help="per run, seconds")
     args = p.parse_args()
-    section = STRATEGIES[args.strategy][2]
+    section = section_name(args.strategy, args.straggler_rate)
     args.out = args.out or str(REPO / "outputs" / section)
     res = measure(args)
     docs = Path(args.docs)

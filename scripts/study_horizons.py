@@ -85,6 +85,7 @@ SETTINGS = {s.candidate: s for s in [
     # local-step training at the tuning horizon, on the bytes frontier
     Setting("diloco_h30", 1, horizons=False), Setting("diloco_h10", 1, horizons=False),
     Setting("gasloc_h30", 1, horizons=False), Setting("gasloc_h10", 1, horizons=False),
+    Setting("sparseloco_h10", 1, horizons=False),
 ]}
 
 
@@ -206,15 +207,16 @@ def plan(results: dict, p: Plan) -> list[tuple[HRun, bool]]:
 # where a step took 0.14-0.19 s. A DiLoCo run (H = 30) makes no per-step collective: 10020
 # steps took 490 s in all, about 0.045 s per step, beside light other work (2026-12-05); GASLoC's
 # runs took as long.
-STEP_S = {"dense": 0.11, "scape": 0.115, "diloco": 0.045, "gasloc": 0.045}
+STEP_S = {"dense": 0.11, "scape": 0.115, "diloco": 0.045, "gasloc": 0.045, "sparseloco": 0.045}
 STARTUP_S = 50.0
 
 
-FAMILIES = {"dense": "dense AdamS", "scape": "SCAPE", "diloco": "DiLoCo", "gasloc": "GASLoC"}
+FAMILIES = {"dense": "dense AdamS", "scape": "SCAPE", "diloco": "DiLoCo", "gasloc": "GASLoC",
+            "sparseloco": "SparseLoCo"}
 
 
 def family_key(setting: str) -> str:
-    """dense, scape, or the setting's local-step strategy (diloco, gasloc)."""
+    """dense, scape, or the setting's local-step strategy (diloco, gasloc, sparseloco)."""
     c = s99.CANDIDATES[setting]
     return c.strategy if c.strategy != "data_parallel" else (
         "scape" if c.optimizer == "scape" else "dense")
@@ -531,7 +533,7 @@ def write_report(payload: dict, json_path: Path, report: Path) -> None:
     summary = payload["summary"]
     plot_horizons(summary, json_path.parent / "scape99_horizons.png")
     if summary["frontier"]:
-        local = {FAMILIES["diloco"], FAMILIES["gasloc"]}
+        local = {FAMILIES[k] for k in ("diloco", "gasloc", "sparseloco")}
         s99.plot_bytes_views(
             [{**pt, "tag": (f"H {s99.CANDIDATES[pt['candidate']].inner_steps}"
                             if pt["family"] in local else pt["candidate"], pt["family"] in local)}

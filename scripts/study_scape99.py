@@ -59,7 +59,7 @@ class Candidate:
     cooldown: float = 0.0
     rank: int = 4                # PowerSGD's
     hysteresis: float = 0.0      # optimizer.mask_hysteresis (ours, opt-in)
-    strategy: str = "data_parallel"   # or local-step training: diloco, gasloc
+    strategy: str = "data_parallel"   # or local-step training: diloco, gasloc, sparseloco
     inner_steps: int = 30        # their H
 
     def overrides(self, steps: int) -> list[str]:
@@ -134,6 +134,10 @@ CANDIDATES = {c.name: c for c in [
     *(_s(f"{st}_h{h}", f"{'DiLoCo' if st == 'diloco' else 'GASLoC (2 peers)'}, H = {h}", 2e-3,
          optimizer="adamw", strategy=st, inner_steps=h)
       for st in ("diloco", "gasloc") for h in (30, 10)),
+    # SparseLoCo: the top 64 of every 4096 values of each worker's error feedback, all-gathered
+    # every H steps, outer lr 1 and no outer momentum (its paper's); inner AdamW
+    _s("sparseloco_h10", "SparseLoCo (64 of 4096, fp32), H = 10", 1e-3, optimizer="adamw",
+       strategy="sparseloco", inner_steps=10),
 ]}
 # frontier points that an earlier screen already ran under another name
 FRONTIER_ALIASES = {"f_fp8_e4m3_d10": "s99_fp8_d10_now", "f_bf16_d05": "s99_bf16_d05_now"}

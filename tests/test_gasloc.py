@@ -563,6 +563,7 @@ def _trainer_job(rank, world, run_dir, tok_cache, *overrides):
 
 
 GASLOC_2PEER_H2 = ("strategy=gasloc", "strategy.topology=2peer", "strategy.inner_steps=2")
+SPARSELOCO = ("strategy=sparseloco", "strategy.sparse_chunk=512", "strategy.sparse_topk=8")
 
 
 @pytest.mark.slow
@@ -589,8 +590,8 @@ def test_trainer_with_per_worker_inner_steps_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [("strategy=diloco",), GASLOC_2PEER_H2[:2]],
-                         ids=["diloco", "gasloc_2peer"])
+@pytest.mark.parametrize("strategy", [("strategy=diloco",), GASLOC_2PEER_H2[:2], SPARSELOCO],
+                         ids=["diloco", "gasloc_2peer", "sparseloco"])
 def test_a_resumed_runs_total_bytes_equal_the_uninterrupted_runs(tmp_path, strategy):
     """A resumed local-step run logs what the uninterrupted one logs (its total bytes included:
     the start-up broadcast of the parameters is sent once per run; a resume, whose checkpoint
@@ -606,8 +607,8 @@ def test_a_resumed_runs_total_bytes_equal_the_uninterrupted_runs(tmp_path, strat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [("strategy=diloco",), GASLOC_2PEER_H2[:2]],
-                         ids=["diloco", "gasloc_2peer"])
+@pytest.mark.parametrize("strategy", [("strategy=diloco",), GASLOC_2PEER_H2[:2], SPARSELOCO],
+                         ids=["diloco", "gasloc_2peer", "sparseloco"])
 def test_trainer_overlapped_rounds_resume_exactly_and_send_the_blocking_runs_bytes(tmp_path,
                                                                                     strategy):
     """Stopped at step 3 (a round's exchange in flight: DiLoCo's all-reduce, or GASLoC's gossip
@@ -630,7 +631,7 @@ def test_trainer_overlapped_rounds_resume_exactly_and_send_the_blocking_runs_byt
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-EXPERIMENTS = ["tiny_diloco", "tiny_gasloc_2peer", "gasloc_134m_h30", "gasloc_1peer_134m_h30",
+EXPERIMENTS = ["tiny_diloco", "tiny_gasloc_2peer", "tiny_sparseloco", "gasloc_134m_h30", "gasloc_1peer_134m_h30",
                "diloco_134m_h30", "gasloc_134m_h1", "dadam_134m_h1", "gasloc_551m_h1",
                "gasloc_551m_h30", "diloco_551m_h30", "gasloc_134m_h30_straggler"]
 
@@ -641,5 +642,5 @@ def test_experiment_configs_compose_and_validate(name):
 
     cfg = compose_config([f"+experiment={name}"])
     validate(cfg.strategy, cfg.optimizer, 16)
-    assert cfg.strategy.name in ("diloco", "gasloc") and cfg.run_name == name
+    assert cfg.strategy.name in ("diloco", "gasloc", "sparseloco") and cfg.run_name == name
     assert cfg.model.name in ("llama_tiny", "llama_134m", "llama_551m")

@@ -122,6 +122,10 @@ STEP_CASES = {
     "diloco": ["strategy=diloco", "optimizer=adamw", "strategy.inner_steps=1"],
     "gasloc": ["strategy=gasloc", "optimizer=adams", "strategy.inner_steps=1",
                "strategy.mix_momentum=false"],
+    "sparseloco": ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=1",
+                   "strategy.sparse_chunk=256", "strategy.sparse_topk=32"],
+    "sparseloco_fp8": ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=1",
+                       "strategy.sparse_payload_dtype=fp8_e4m3"],
 }
 
 
@@ -193,6 +197,20 @@ def test_the_plan_holds_an_overlapped_rounds_buffers_as_state(world, overrides, 
     for retained, planned, numel in run_distributed(_in_flight_worker, world, (job,)):
         assert planned == models * 4 * numel
         assert retained[3] == planned, (retained, planned)   # step 4: a round's end, in flight
+
+
+@pytest.mark.parametrize("merge", ["mix", "carry"])
+def test_the_plan_holds_an_overlapped_sparseloco_rounds_messages_as_state(merge):
+    """SparseLoCo's round in flight holds its own message and the gathered ones (carry: the
+    own drift too), bytes the plan takes from the same message layout as the code."""
+    from tests._dist import run_distributed
+
+    job = ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=2",
+           "strategy.overlap_steps=1", f"strategy.overlap_merge={merge}",
+           "strategy.sparse_chunk=512", "strategy.sparse_topk=16"]
+    for retained, planned, numel in run_distributed(_in_flight_worker, 2, (job,)):
+        assert 0 < planned < 4 * numel * (1 if merge == "mix" else 2)
+        assert retained[3] == planned, (retained, planned)
 
 
 def test_a_density_warmup_plans_its_largest_step_reference_or_fused():

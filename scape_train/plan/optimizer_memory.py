@@ -32,6 +32,8 @@ from scape_train.config import Config
 from scape_train.optim.adams_foreach import slices
 from scape_train.optim.density import DensitySchedule, segment_k
 from scape_train.optim.dense import adams_impl
+from scape_train.optim.local.sparseloco import MessageLayout
+from scape_train.optim.scape.payload import PayloadCodec
 from scape_train.plan.simulate import Replay
 
 F32 = 4          # bytes of an fp32 element
@@ -332,7 +334,10 @@ def in_flight_buffers(s, n: int, world: int) -> list[tuple[str, int]]:
     forward and backward): DiLoCo's drift (an all-reduce round), or a gossip round's sent point,
     the ablation's momentum term and one receive buffer per peer; with ``carry`` this worker's
     own drift of the round. A blocking round holds them inside its step only."""
-    if all_reduce_round(s):
+    if s.name == "sparseloco":
+        m = sparseloco_layout(s, n).message_bytes
+        out = [("SparseLoCo message sent", m), ("SparseLoCo messages gathered", world * m)]
+    elif all_reduce_round(s):
         out = [("flat outer gradient delta", F32 * n)]
     else:
         out = [("flat gossip send buffer", F32 * n)]
@@ -342,6 +347,50 @@ def in_flight_buffers(s, n: int, world: int) -> list[tuple[str, int]]:
     if s.overlap_steps > 0 and s.overlap_merge == "carry":
         out.append(("own drift of the round (carry)", F32 * n))
     return out
+
+
+def sparseloco_layout(s, n: int) -> MessageLayout:
+    return MessageLayout.of(n, s.sparse_chunk, s.sparse_topk, PayloadCodec(s.sparse_payload_dtype))
+
+
+def _sparseloco_round(r: Replay, s, n: int, big: int, world: int, fetch: int,
+                      buffers: list[tuple[str, int]]) -> None:
+    """SparseLoCo's round (``optim/local/sparseloco.py``), after the inner step: the drift into
+    the error feedback, the top-k of every chunk, the message; then (blocking) the gathered
+    messages summed into one flat delta and DiLoCo's outer step on it."""
+    lay = sparseloco_layout(s, n)
+    with r.temp(F32 * n, "flat drift"):
+        r.spike(F32 * big + fetch, "drift of the largest tensor")
+        # |e| beside top-k's values and positions; then the positions, the picked values, their
+        # decoded copy and its negation beside the message
+        r.spike(F32 * lay.padded + (F32 + I64) * lay.sent, "top-k of every chunk of |e|")
+        with r.temp(I64 * lay.sent + 3 * F32 * lay.sent, "picked positions and values"):
+            r.spike(lay.message_bytes + 2 * lay.sent, "the message and its int16 positions")
+    if s.overlap_steps > 0:   # the buffers stay in flight (state); the landing is a later step
+        return
+    for what, b in buffers:
+        r.alloc(b, what)
+    r.free(buffers[0][1])     # the sent message, once the all-gather returned
+    r.alloc(F32 * lay.padded, "gathered lists summed (flat delta)")
+    r.spike((I64 + F32) * lay.sent, "one worker's positions and values")
+    r.spike(4 * F32 * big + fetch, "outer step of the largest tensor")
+
+
+def _dense_round(r: Replay, s, n: int, big: int, fetch: int,
+                 buffers: list[tuple[str, int]]) -> None:
+    """DiLoCo's round (an all-reduce) or a gossip round, after the inner step."""
+    if s.overlap_steps == 0:   # a blocking round's, inside the step
+        for what, b in buffers:
+            r.alloc(b, what)
+    if all_reduce_round(s):
+        r.spike(F32 * big + fetch, "outer gradient of the largest tensor")
+        # y, y - y_prev and x of this tensor beside the previous tensor's x (rebound only after)
+        r.spike(4 * F32 * big + fetch, "Nesterov outer step of the largest tensor")
+    else:
+        r.spike(4 * F32 * big + fetch, "local extrapolation of the largest tensor")
+        r.alloc(F32 * n, "mixed parameters")
+        # once the round commits: y_prev <- y, recomputed tensor by tensor (theta0 - theta, y)
+        r.spike(2 * F32 * big + fetch, "y_prev of the largest tensor (a committed round)")
 
 
 def all_reduce_round(s) -> bool:
@@ -357,24 +406,19 @@ def _local(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory
     outer = (f"{s.name} outer state theta0 + y_prev (fp32)", 2 * F32 * n)
     on_host = s.outer_state_on_cpu and on_gpu
     (mem.host if on_host else mem.state).append(outer)
+    if s.name == "sparseloco":
+        mem.state.append(("SparseLoCo error feedback (fp32, whole chunks)",
+                          F32 * sparseloco_layout(s, n).padded))
     r = Replay()
     _adam_step(r, inner, p, o, on_gpu, scaled_grads=False)
     fetch = 2 * F32 * big if on_host else 0          # theta0 and y_prev copied to the device
     buffers = in_flight_buffers(s, n, world)
     if s.overlap_steps > 0:   # held from the round's end to its landing: state, for the plan
         mem.state += [(f"overlapped round in flight: {what}", b) for what, b in buffers]
-    else:                     # a blocking round's, inside the step
-        for what, b in buffers:
-            r.alloc(b, what)
-    if all_reduce_round(s):
-        r.spike(F32 * big + fetch, "outer gradient of the largest tensor")
-        # y, y - y_prev and x of this tensor beside the previous tensor's x (rebound only after)
-        r.spike(4 * F32 * big + fetch, "Nesterov outer step of the largest tensor")
+    if s.name == "sparseloco":
+        _sparseloco_round(r, s, n, big, world, fetch, buffers)
     else:
-        r.spike(4 * F32 * big + fetch, "local extrapolation of the largest tensor")
-        r.alloc(F32 * n, "mixed parameters")
-        # once the round commits: y_prev <- y, recomputed tensor by tensor (theta0 - theta, y)
-        r.spike(2 * F32 * big + fetch, "y_prev of the largest tensor (a committed round)")
+        _dense_round(r, s, n, big, fetch, buffers)
     mem.step, mem.step_where = r.peak, r.where
     if not on_gpu:   # snapshot() copies the state where the device is the host (at a round end,
         # where the trainer checkpoints, theta equals theta0 and is not copied)

@@ -1,10 +1,12 @@
-"""Local-step strategies (Hydra group ``strategy``): DiLoCo and GASLoC.
+"""Local-step strategies (Hydra group ``strategy``): DiLoCo, GASLoC and SparseLoCo.
 
     build_local_strategy(strategy_cfg, optimizer_cfg, model, comm) -> OptimizerStrategy
 
 ``diloco``: H inner steps, then the outer gradient is all-reduced and a Nesterov outer step taken.
 ``gasloc``: H_i inner steps, a local Nesterov extrapolation, then one gossip exchange with the peers
 of a random graph (complete | 1peer | 2peer). The spec: /work/shared/spec/gasloc.md.
+``sparseloco``: DiLoCo's rounds with an error feedback in place of the outer momentum; the top-k of
+every chunk of it is all-gathered (``sparseloco.py``).
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from torch import nn
 from ..base import OptimizerStrategy
 from scape_train.comm import Comm
 from ..config import OptimizerConfig
+from ..scape.payload import PAYLOAD_DTYPES
 from .config import StrategyConfig
 from .diloco import DiLoCo
 from .gasloc import GASLoC
+from .sparseloco import MAX_CHUNK, SparseLoCo
 from .strategy import LocalStepStrategy
 from .topology import TOPOLOGIES, mixing_matrix, peers, permutation
 
-STRATEGIES = ("diloco", "gasloc")
+STRATEGIES = ("diloco", "gasloc", "sparseloco")
 INNER_OPTIMIZERS = ("adamw", "adams")   # local, non-communicating
 
 
@@ -35,8 +39,20 @@ def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: in
          "built by scape_train.optim.build_optimizer, not here)")
     need(cfg.topology in TOPOLOGIES, f"unknown topology {cfg.topology!r}; valid: {list(TOPOLOGIES)}")
     need(cfg.name == "gasloc" or cfg.topology == "complete",
-         f"diloco always all-reduces: topology must be complete, got {cfg.topology!r} "
-         "(use strategy=gasloc for 1peer / 2peer)")
+         f"{cfg.name} exchanges with every worker: topology must be complete, got "
+         f"{cfg.topology!r} (use strategy=gasloc for 1peer / 2peer)")
+    if cfg.name == "sparseloco":
+        need(1 <= cfg.sparse_topk <= cfg.sparse_chunk <= MAX_CHUNK,
+             f"sparseloco needs 1 <= sparse_topk <= sparse_chunk <= {MAX_CHUNK}, got "
+             f"sparse_topk={cfg.sparse_topk}, sparse_chunk={cfg.sparse_chunk}")
+        need(0.0 <= cfg.sparse_error_decay <= 1.0,
+             f"sparse_error_decay (beta) must be in [0, 1], got {cfg.sparse_error_decay}")
+        need(cfg.sparse_payload_dtype in PAYLOAD_DTYPES,
+             f"sparse_payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got "
+             f"{cfg.sparse_payload_dtype!r}")
+        need(not cfg.elastic.enabled,
+             "sparseloco with strategy.elastic: across torchft replica groups only the "
+             "all-reduce and the gossip exchange are offered, not SparseLoCo's all-gather")
     need(cfg.inner_steps >= 0, f"inner_steps (H) must be >= 0, got {cfg.inner_steps}")
     per = list(cfg.inner_steps_per_worker)
     need(not per or len(per) == world_size,
@@ -109,6 +125,11 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
     def make_outer(params, names):
         if cfg.name == "diloco":
             return DiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum, cfg.outer_state_on_cpu)
+        if cfg.name == "sparseloco":
+            return SparseLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
+                              cfg.outer_state_on_cpu, chunk=cfg.sparse_chunk,
+                              topk=cfg.sparse_topk, error_decay=cfg.sparse_error_decay,
+                              payload_dtype=cfg.sparse_payload_dtype)
         return GASLoC(params, names, comm, cfg.outer_lr, cfg.outer_momentum, cfg.outer_state_on_cpu,
                       topology=cfg.topology, seed=cfg.seed, mix_momentum=cfg.mix_momentum)
 
@@ -116,6 +137,6 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
                              broadcast_initial)
 
 
-__all__ = ["DiLoCo", "GASLoC", "LocalStepStrategy", "STRATEGIES", "StrategyConfig", "TOPOLOGIES",
+__all__ = ["DiLoCo", "GASLoC", "LocalStepStrategy", "SparseLoCo", "STRATEGIES", "StrategyConfig", "TOPOLOGIES",
            "build_local_strategy", "mixing_matrix", "peers", "permutation", "validate",
            "validate_elastic"]

@@ -129,6 +129,14 @@ class OuterAlgorithm(abc.ABC):
     def round(self, t: int) -> dict[str, float]:
         """Exchange and outer update for round ``t`` (DiLoCo: all-reduce; GASLoC: gossip)."""
 
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """Outer state beyond ``theta0`` and ``y_prev`` that this worker alone holds (saved per
+        rank with them; none here)."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Load what :meth:`extra_state` saved (``state``: the checkpoint's outer dict)."""
+
     def flat_like(self) -> torch.Tensor:
         p0 = self.params[0]
         return torch.empty(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)

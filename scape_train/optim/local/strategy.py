@@ -209,7 +209,7 @@ class LocalStepStrategy(OptimizerStrategy):
         state: dict[str, Any] = {
             "optimizer": named_state_dict(self.optimizer, self._names),
             "outer": {"anchor": dict(zip(st.names, st.anchor)),
-                      "y_prev": dict(zip(st.names, st.y_prev))},
+                      "y_prev": dict(zip(st.names, st.y_prev)), **self.outer.extra_state()},
             "rounds_done": self.rounds_done, "nominal_step": self.nominal_step,
             "steps_in_round": self.steps_in_round,
             "local_step": self.local_step, "sync_step": self.sync_step,
@@ -239,6 +239,8 @@ class LocalStepStrategy(OptimizerStrategy):
         if not (foreign and own_drift is not None):
             load_named_state_dict(self.optimizer, state["optimizer"], self._names)
         self.outer.state.load_state_dict(state["outer"])
+        if not foreign:   # a worker's own error feedback (SparseLoCo) is never another's
+            self.outer.load_extra_state(state["outer"])
         self.rounds_done = int(state["rounds_done"])
         self.nominal_step = int(state.get("nominal_step", self.rounds_done * self.nominal_h))
         self.steps_in_round = int(state["steps_in_round"])
