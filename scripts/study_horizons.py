@@ -391,7 +391,7 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
              f"step) at {', '.join(f'{h:,}' for h in s['horizons'])} steps, each run's lr schedule "
              f"ending at its own length. lr tuned at {s['tune_steps']:,} steps on seed 0 (3 values "
              "per setting, one more past an edge where the winner sits, at most "
-             f"{s['max_extensions']} per side), "
+             f"{s.get('max_extensions', 2)} per side), "   # a summary written before the option: 2
              "the winner used at every horizon. Gaps are to dense AdamS on the same "
              "seed: the mean over paired seeds with its 95% t-interval, or seed 0's alone.", "",
              "| setting | lr: final val loss (seed 0) | winner |", "|---|---|---|"]
