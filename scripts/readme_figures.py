@@ -67,7 +67,7 @@ def local_step_point(horizons: dict) -> str:
     there: each with its gap to dense AdamS and its bytes over the run."""
     s = horizons["summary"]
     points = {p["candidate"]: p for p in s["frontier"]}
-    local = [p for p in points.values() if p["family"] in ("DiLoCo", "GASLoC")]
+    local = [p for p in points.values() if p["family"] in ("DiLoCo", "GASLoC", "SparseLoCo")]
     if not local or BASELINE not in points or REFERENCE not in points:
         return ""
     best, base, ref = min(local, key=lambda p: p["seed0"]), points[BASELINE], points[REFERENCE]
