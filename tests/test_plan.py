@@ -199,7 +199,7 @@ def test_the_plan_holds_an_overlapped_rounds_buffers_as_state(world, overrides, 
         assert retained[3] == planned, (retained, planned)   # step 4: a round's end, in flight
 
 
-@pytest.mark.parametrize("merge", ["mix", "carry"])
+@pytest.mark.parametrize("merge", [pytest.param("mix", marks=pytest.mark.slow), "carry"])
 def test_the_plan_holds_an_overlapped_sparseloco_rounds_messages_as_state(merge):
     """SparseLoCo's round in flight holds its own message and the gathered ones (carry: the
     own drift too), bytes the plan takes from the same message layout as the code."""

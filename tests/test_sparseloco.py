@@ -81,7 +81,8 @@ def _round_worker(rank, world, rounds, eta, gamma, beta, payload):
     return history, kept, outer.message_bytes
 
 
-@pytest.mark.parametrize("eta,gamma", [(1.0, 0.0), (0.7, 0.9)], ids=["paper", "nesterov"])
+@pytest.mark.parametrize("eta,gamma", [(1.0, 0.0), pytest.param(0.7, 0.9, marks=pytest.mark.slow)],
+                         ids=["paper", "nesterov"])
 def test_sparseloco_follows_its_rule_and_counts_its_bytes(eta, gamma):
     n, rounds, beta = 3, 4, 0.95
     res = run_distributed(_round_worker, n, (rounds, eta, gamma, beta, "fp32"))
