@@ -119,6 +119,8 @@ SECTIONS: list[Section] = [
     _page("bench_gasloc", "gasloc.md", "bench_gasloc", "bench_gasloc_results.json", _gasloc),
     _page("bench_overlap", "gasloc.md", "bench_overlap", "bench_overlap.json"),
     _page("bench_overlap_gasloc", "gasloc.md", "bench_overlap", "bench_overlap_gasloc.json"),
+    _page("bench_overlap_gasloc_straggler", "gasloc.md", "bench_overlap",
+          "bench_overlap_gasloc_straggler.json"),
     _page("bench_elastic", "reliability.md", "bench_elastic", "bench_elastic.json"),
     # the README's figures: re-rendered by `scripts/doc_sections.py` after any of these JSON change
     Section("readme_headline", "README.md", "scripts/readme_figures.py",
