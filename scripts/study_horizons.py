@@ -308,8 +308,11 @@ def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> di
         grid, best, at_edge = tuning(results, name, p)
         pts = sorted([lr, v] for lr, v in _tune_losses(results, name, p).items()
                      if _has(grid, lr))
+        finished = [(v, lr) for lr, v in pts if v is not None]
         tune[name] = {"label": s99.CANDIDATES[name].label, "grid": grid, "losses": pts,
-                      "best": best, "at_edge": at_edge}
+                      "best": best, "at_edge": at_edge,
+                      # while the grid waits for runs: its best finished lr (the bytes views)
+                      "so_far": min(finished)[1] if best is None and finished else None}
     gaps = {}
     for name in p.settings:
         lr, base_lr = tune[name]["best"], tune.get(BASELINE, {}).get("best")
@@ -337,7 +340,7 @@ def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> di
                                      for x in fit["x_margin_range"]]
     front = []
     for name in p.settings:
-        lr = tune[name]["best"]
+        lr = tune[name]["best"] if tune[name]["best"] is not None else tune[name]["so_far"]
         run = next((r for r in results.values() if lr is not None and r["candidate"] == name
                     and r["seed"] == 0 and r["steps"] == p.tune_steps
                     and math.isclose(r["lr"], lr)), None)
@@ -347,7 +350,7 @@ def horizon_summary(results: dict, params: int, step_tokens: int, p: Plan) -> di
         front.append({"candidate": name, "label": tune[name]["label"], "family": family(name),
                       "lr": lr, "seed0": run["final_val_loss"], "sent_bytes": run["sent_bytes"],
                       "steady_step_bytes": step_bytes, "steady_source": source,
-                      "commit": run.get("commit")})
+                      "commit": run.get("commit"), "so_far": tune[name]["best"] is None})
     s99.mark_best_within(front)
     held_out = {}
     for name in (BASELINE, GAP_SETTING):
@@ -473,7 +476,8 @@ def render_horizons(summary: dict, fig_rel: str) -> str:
                   "best at these bytes | best at these bytes per step | commit |",
                   "|---|---|---|---|---|---|---|---|"]
         for pt in sorted(s["frontier"], key=lambda q: q["sent_bytes"] or 0):
-            lines.append(f"| {pt['label']} (`{pt['candidate']}`) | {pt['lr']:g} | "
+            so_far = " (best so far: its grid waits)" if pt.get("so_far") else ""
+            lines.append(f"| {pt['label']} (`{pt['candidate']}`) | {pt['lr']:g}{so_far} | "
                          f"{pt['seed0']:.4f} | "
                          f"{_num(pt['sent_bytes'] and pt['sent_bytes'] / 1e6, ',.1f')} | "
                          f"{_num(pt['steady_step_bytes'] and pt['steady_step_bytes'] / 1e3, ',.1f')}"

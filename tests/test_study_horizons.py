@@ -220,6 +220,18 @@ def test_both_bytes_views_at_the_tuning_horizon_put_local_step_methods_beside_sc
             "**this** | fedcba9 |") in text
     assert "(figures/scape99_horizons_bytes.png)" in text
     assert sorted(s["gaps"]) == ["scape99"]
+    # a grid that waits for a run (DiLoCo's winner at its lowest lr: one more below) keeps its
+    # best finished lr on the bytes views, marked as such; the tuning table says what it waits for
+    low = sh.lr_grid("diloco_h30", p.lr_factors)[0]
+    r = _rec("diloco_h30", low, 0, p.tune_steps, 3.30, int(1.8e9))
+    waiting = {**results, r["id"]: {**r, "commit": "fedcba9"}}
+    w = sh.horizon_summary(waiting, PARAMS, TOKENS, p)
+    assert w["tune"]["diloco_h30"]["best"] is None and w["tune"]["diloco_h30"]["so_far"] == low
+    pt = next(pt for pt in w["frontier"] if pt["candidate"] == "diloco_h30")
+    assert pt["so_far"] and pt["lr"] == low and pt["seed0"] == 3.30
+    text = sh.render_horizons(w, "figures")
+    assert f"| {low:g} (best so far: its grid waits) | 3.3000 |" in text
+    assert f"waits for {low / 2:g}" in text
     # the report merges another checkout's runs (its own record of a run wins) and draws both
     # views
     local = {k: v for k, v in results.items() if v["commit"] == "fedcba9"}
