@@ -83,6 +83,9 @@ def _strategy_line(cfg: Any) -> str | None:
             f"momentum {s.outer_momentum:g}, inner optimizer {cfg.optimizer.name}")
     if s.round_budget_s > 0:
         line += f", round budget {s.round_budget_s:g}s"
+    if s.name == "sparseloco":
+        line += (f"; sends the top {s.sparse_topk} of every {s.sparse_chunk} values of its error "
+                 f"feedback (decay {s.sparse_error_decay:g}) as {s.sparse_payload_dtype}")
     if s.elastic.enabled:
         e = s.elastic
         line += (f"; elastic: replica {e.replica} of {e.slots} slots, lighthouse "

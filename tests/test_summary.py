@@ -91,6 +91,17 @@ def test_local_strategy_line(tmp_path, tok):
     assert "strategy    diloco" in format_summary(s)
 
 
+def test_sparseloco_strategy_line_says_what_it_sends():
+    from scape_train.summary import _strategy_line
+    from tests.helpers import compose_config
+
+    cfg = compose_config(["strategy=sparseloco", "optimizer=adamw",
+                          "strategy.sparse_payload_dtype=fp8_e4m3"])
+    line = _strategy_line(cfg)
+    assert line.startswith("sparseloco, H=30") and "outer lr 1, momentum 0" in line
+    assert line.endswith("top 64 of every 4096 values of its error feedback (decay 0.95) as fp8_e4m3")
+
+
 def _ddp(rank, world, root, tok):
     from scape_train.train import run
 
