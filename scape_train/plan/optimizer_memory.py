@@ -366,11 +366,11 @@ def _sparseloco_round(r: Replay, s, n: int, big: int, world: int, fetch: int,
         r.spike(F32 * lay.padded + (F32 + I64) * lay.sent, "top-k of every chunk of |e|")
         with r.temp(I64 * lay.sent + 3 * F32 * lay.sent, "picked positions and values"):
             r.spike(lay.message_bytes + 2 * lay.sent, "the message and its int16 positions")
-    if s.overlap_steps > 0:   # the buffers stay in flight (state); the landing is a later step
-        return
-    for what, b in buffers:
-        r.alloc(b, what)
-    r.free(buffers[0][1])     # the sent message, once the all-gather returned
+    if s.overlap_steps == 0:   # blocking: inside the step (overlapped: state until it lands)
+        for what, b in buffers:
+            r.alloc(b, what)
+        r.free(buffers[0][1])      # the sent message, once the all-gather returned
+    # the landing (a later step when overlapped): the lists summed, then the outer step
     r.alloc(F32 * lay.padded, "gathered lists summed (flat delta)")
     r.spike((I64 + F32) * lay.sent, "one worker's positions and values")
     r.spike(4 * F32 * big + fetch, "outer step of the largest tensor")

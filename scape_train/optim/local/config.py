@@ -47,10 +47,10 @@ class StrategyConfig:
     overlap_local_weight: float = 0.0
     # sparseloco: the top sparse_topk |e| of every sparse_chunk values of the error feedback e
     # (e <- sparse_error_decay * e + drift) are all-gathered, as sparse_payload_dtype values
-    sparse_chunk: int = 4096
-    sparse_topk: int = 64             # of sparse_chunk: density 64 / 4096 = 1.6%
-    sparse_error_decay: float = 0.95
-    sparse_payload_dtype: str = "fp32"    # fp32 | bf16 | fp8_e4m3 | fp8_e5m2
+    sparse_chunk: int = 4096          # sparseloco: values per chunk of the flat parameters (<= 32768)
+    sparse_topk: int = 64             # sparseloco: values sent per chunk (64 / 4096 = 1.6%)
+    sparse_error_decay: float = 0.95  # sparseloco: beta of e <- beta * e + drift, each round
+    sparse_payload_dtype: str = "fp32"    # sparseloco: fp32 | bf16 | fp8_e4m3 | fp8_e5m2 values
     seed: int = 0                     # the mixing graph's RNG seed (with the round number)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     max_rounds: Optional[int] = None  # informational: the run ends at trainer.max_steps, i.e.
