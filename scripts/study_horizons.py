@@ -85,7 +85,8 @@ SETTINGS = {s.candidate: s for s in [
     # local-step training at the tuning horizon, on the bytes frontier
     Setting("diloco_h30", 1, horizons=False), Setting("diloco_h10", 1, horizons=False),
     Setting("gasloc_h30", 1, horizons=False), Setting("gasloc_h10", 1, horizons=False),
-    Setting("sparseloco_h10", 1, horizons=False),
+    Setting("sparseloco_h10", 1, horizons=False), Setting("sparseloco_h30", 1, horizons=False),
+    Setting("sparseloco_h10_fp8", 1, horizons=False),
 ]}
 
 

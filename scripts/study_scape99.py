@@ -64,8 +64,11 @@ class Candidate:
 
     def overrides(self, steps: int) -> list[str]:
         if self.strategy != "data_parallel":
+            # SparseLoCo's values take SCAPE's payload codecs (fp32 by default)
             return [f"optimizer={self.optimizer}", f"strategy={self.strategy}",
-                    f"strategy.inner_steps={self.inner_steps}"]
+                    f"strategy.inner_steps={self.inner_steps}",
+                    *([f"strategy.sparse_payload_dtype={self.payload}"]
+                      if self.strategy == "sparseloco" and self.payload != "fp32" else [])]
         if self.optimizer == "powersgd":
             return ["optimizer=powersgd", f"optimizer.powersgd_rank={self.rank}"]
         if self.optimizer not in ("scape", "topk_adamw"):
@@ -138,6 +141,11 @@ CANDIDATES = {c.name: c for c in [
     # every H steps, outer lr 1 and no outer momentum (its paper's); inner AdamW
     _s("sparseloco_h10", "SparseLoCo (64 of 4096, fp32), H = 10", 1e-3, optimizer="adamw",
        strategy="sparseloco", inner_steps=10),
+    # at H = 30, in its paper's range; the grid's centre is H = 10's best lr
+    _s("sparseloco_h30", "SparseLoCo (64 of 4096, fp32), H = 30", 2e-3, optimizer="adamw",
+       strategy="sparseloco", inner_steps=30),
+    _s("sparseloco_h10_fp8", "SparseLoCo (64 of 4096, fp8), H = 10", 2e-3, optimizer="adamw",
+       strategy="sparseloco", inner_steps=10, payload="fp8_e4m3"),
 ]}
 # frontier points that an earlier screen already ran under another name
 FRONTIER_ALIASES = {"f_fp8_e4m3_d10": "s99_fp8_d10_now", "f_bf16_d05": "s99_bf16_d05_now"}
