@@ -509,8 +509,8 @@ class ReplicaComm(Comm):
     quorum (1 of 1 before the first). A collective that fails (a peer killed, or frozen past the
     manager's timeout) does not raise: the manager records the error and :meth:`commit` then
     returns False on every participant, so nobody applies the round. Only what the outer rounds
-    use is offered: the all-reduce (DiLoCo, complete-graph GASLoC) and the point-to-point
-    exchange (GASLoC's gossip); the rest raises."""
+    use is offered: the all-reduce (DiLoCo, complete-graph GASLoC), the point-to-point exchange
+    (GASLoC's gossip) and the all-gather (SparseLoCo), each blocking; the rest raises."""
 
     def __init__(self, manager, pg, device: torch.device | str = "cpu"):
         self.manager, self.pg = manager, pg
@@ -546,6 +546,34 @@ class ReplicaComm(Comm):
         timer.stop()
         return Handle(self, kind)
 
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, kind: str,
+                   async_op: bool = False) -> Handle:
+        """The quorum's equal-sized shards into ``output`` in quorum order. A failed gather (or
+        a round already failed) leaves ``output`` zeroed, not partly written: the caller may
+        decode it before its vote, which then fails."""
+        if async_op:
+            raise NotImplementedError("across replica groups the all-gather is blocking")
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        self._check(output, shard)
+        if self.manager.errored():
+            output.zero_()
+            return Handle(self, kind)
+        if self.world == 1:
+            output.copy_(shard.reshape(output.shape))
+            return Handle(self, kind)
+        n = ring_all_gather_bytes(_nbytes(shard), self.world)
+        self.count(kind, n, n)
+        timer = self._start_timer(kind, async_op=False)
+        try:
+            slots = list(output.view(self.world, -1).unbind(0))
+            self.pg.allgather([slots], [shard.reshape(-1)], AllgatherOptions()).wait()
+        except Exception as exc:  # noqa: BLE001 - a lost peer fails the round's vote, not the job
+            output.zero_()
+            self.manager.report_error(exc)
+        timer.stop()
+        return Handle(self, kind)
+
     def exchange(self, phases: list[Phase], *, kind: str, async_op: bool = False) -> Handle:
         if async_op:
             raise NotImplementedError("across replica groups the exchange is blocking")
@@ -573,9 +601,9 @@ class ReplicaComm(Comm):
         return self.last_vote
 
     def _refuse(self, *args, **kwargs):
-        raise NotImplementedError("ReplicaComm carries the outer rounds' all-reduce and exchange "
-                                  "only; start-up, checkpoints and evaluation use the worker's "
-                                  "own process group")
+        raise NotImplementedError("ReplicaComm carries the outer rounds' all-reduce, exchange "
+                                  "and all-gather only; start-up, checkpoints and evaluation use "
+                                  "the worker's own process group")
 
-    all_gather = reduce_scatter = all_to_all = broadcast = _refuse
+    reduce_scatter = all_to_all = broadcast = _refuse
     broadcast_object = all_gather_object = all_ok = barrier = _refuse

@@ -292,8 +292,8 @@ def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
 
     components = [lambda: resolve_config(m, vocab_size=m.vocab_size or 1), lambda: validate_optimizer(o)]
     _check(cfg.strategy.name != "data_parallel" or not cfg.strategy.elastic.enabled,
-           "strategy.elastic.enabled=true needs a local-step strategy (strategy=diloco or "
-           "strategy=gasloc): data-parallel strategies communicate every step")
+           "strategy.elastic.enabled=true needs a local-step strategy (strategy=diloco, "
+           "gasloc or sparseloco): data-parallel strategies communicate every step")
     if cfg.strategy.name != "data_parallel":
         from scape_train.optim.local import validate as validate_strategy
 

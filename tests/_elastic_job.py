@@ -1,5 +1,5 @@
-"""An elastic DiLoCo / GASLoC job as real processes: a lighthouse and one ``python -m scape_train``
-per worker (each its own torchft replica group), hurt at real points.
+"""An elastic DiLoCo / GASLoC / SparseLoCo job as real processes: a lighthouse and one
+``python -m scape_train`` per worker (each its own torchft replica group), hurt at real points.
 
     job = ElasticJob(tmp_path, cache, "trainer.max_steps=100")
     job.launch(3)                       # the lighthouse and workers 0, 1, 2

@@ -27,10 +27,10 @@ class VotingComm(Comm):
         return self.votes.pop(0)
 
 
-def make(votes, slot: int, h: int = 2):
+def make(votes, slot: int, h: int = 2, name: str = "diloco", **strategy):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    cfg = StrategyConfig(name="diloco", inner_steps=h,
+    cfg = StrategyConfig(name=name, inner_steps=h, **strategy,
                          elastic=ElasticConfig(enabled=True, replica=slot, slots=4))
     return model, build_local_strategy(cfg, OptimizerConfig(name="adamw", lr=1e-2), model,
                                        VotingComm(votes))
@@ -66,6 +66,28 @@ def test_a_round_that_does_not_commit_is_applied_by_nobody_and_its_drift_carries
     # the committed round's outer gradient is the drift of all four inner steps (world of one:
     # theta = y + mu (y - y_prev) with y = theta0 - eta * (theta0 - theta_4))
     assert torch.equal(flat(strat.params), flat(strat.outer.state.anchor))
+
+
+def test_sparseloco_puts_its_error_feedback_back_when_a_round_does_not_commit():
+    """A failed round leaves nothing behind: with H = 2 and the first round's vote failed, the
+    worker after 4 steps holds exactly what one committed round of H = 4 over the same steps
+    gives (the same theta, theta0 and error feedback e = beta * 0 + delta - s, bit for bit).
+    Without the restore e would hold the failed round's drift twice."""
+    sparse = dict(sparse_chunk=8, sparse_topk=2, outer_lr=1.0, outer_momentum=0.0)
+    model, strat = make([False, True], slot=0, h=2, name="sparseloco", **sparse)
+    for s in range(2):
+        inner_step(model, strat, s)
+    assert strat.rounds_done == 0 and torch.count_nonzero(strat.outer.error) == 0
+    for s in range(2, 4):
+        inner_step(model, strat, s)
+    ref_model, ref = make([True], slot=0, h=4, name="sparseloco", **sparse)
+    for s in range(4):
+        inner_step(ref_model, ref, s)
+    assert strat.rounds_done == ref.rounds_done == 1
+    assert torch.count_nonzero(ref.outer.error) > 0
+    assert torch.equal(strat.outer.error, ref.outer.error)
+    assert torch.equal(flat(strat.params), flat(ref.params))
+    assert torch.equal(flat(strat.outer.state.anchor), flat(ref.outer.state.anchor))
 
 
 def test_healing_takes_the_peers_committed_point_and_keeps_the_own_drift():

@@ -126,6 +126,10 @@ STEP_CASES = {
                    "strategy.sparse_chunk=256", "strategy.sparse_topk=32"],
     "sparseloco_fp8": ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=1",
                        "strategy.sparse_payload_dtype=fp8_e4m3"],
+    # elastic: the error feedback's copy held through the round (the vote here always commits)
+    "sparseloco_elastic": ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=1",
+                           "strategy.elastic.enabled=true", "strategy.elastic.replica=0",
+                           "strategy.elastic.slots=1"],
 }
 
 

@@ -149,7 +149,6 @@ def test_sparseloco_resumes_exactly_with_its_error_feedback(overlap):
     (dict(sparse_error_decay=1.5), "sparse_error_decay"),
     (dict(sparse_payload_dtype="int2"), "sparse_payload_dtype"),
     (dict(topology="2peer"), "topology must be complete"),
-    (dict(elastic=ElasticConfig(enabled=True, replica=0, slots=1)), "all-gather"),
 ])
 def test_bad_sparseloco_configs_are_refused_by_name(overrides, words):
     cfg = StrategyConfig(name="sparseloco", **overrides)

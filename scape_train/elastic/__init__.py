@@ -1,4 +1,5 @@
-"""Elastic DiLoCo / GASLoC: workers that come and go without stopping the job (torchft).
+"""Elastic local-step training (DiLoCo, GASLoC, SparseLoCo): workers that come and go without
+stopping the job (torchft).
 
 Each worker is one process and one torchft replica group; a lighthouse decides, round by round,
 which workers take part (the quorum). Turned on with ``strategy.elastic.enabled=true``

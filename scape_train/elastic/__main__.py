@@ -9,7 +9,7 @@ from scape_train.elastic import lighthouse
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m scape_train.elastic",
-                                     description="Services of elastic DiLoCo / GASLoC runs.")
+                                     description="Services of elastic DiLoCo / GASLoC / SparseLoCo runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     lighthouse.add_arguments(sub.add_parser("lighthouse", help="run the torchft lighthouse"))
     return parser

@@ -357,8 +357,11 @@ def _sparseloco_round(r: Replay, s, n: int, big: int, world: int, fetch: int,
                       buffers: list[tuple[str, int]]) -> None:
     """SparseLoCo's round (``optim/local/sparseloco.py``), after the inner step: the drift into
     the error feedback, the top-k of every chunk, the message; then (blocking) the gathered
-    messages summed into one flat delta and DiLoCo's outer step on it."""
+    messages summed into one flat delta and DiLoCo's outer step on it. Elastic rounds (blocking)
+    hold a copy of the error feedback through the round, put back if the round fails."""
     lay = sparseloco_layout(s, n)
+    kept = r.alloc(F32 * lay.padded, "error feedback before the round (elastic)") \
+        if s.elastic.enabled else 0
     with r.temp(F32 * n, "flat drift"):
         r.spike(F32 * big + fetch, "drift of the largest tensor")
         # |e| beside top-k's values and positions; then the positions, the picked values, their
@@ -374,6 +377,7 @@ def _sparseloco_round(r: Replay, s, n: int, big: int, world: int, fetch: int,
     r.alloc(F32 * lay.padded, "gathered lists summed (flat delta)")
     r.spike((I64 + F32) * lay.sent, "one worker's positions and values")
     r.spike(4 * F32 * big + fetch, "outer step of the largest tensor")
+    r.free(kept)
 
 
 def _dense_round(r: Replay, s, n: int, big: int, fetch: int,

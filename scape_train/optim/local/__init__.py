@@ -50,9 +50,6 @@ def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: in
         need(cfg.sparse_payload_dtype in PAYLOAD_DTYPES,
              f"sparse_payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got "
              f"{cfg.sparse_payload_dtype!r}")
-        need(not cfg.elastic.enabled,
-             "sparseloco with strategy.elastic: across torchft replica groups only the "
-             "all-reduce and the gossip exchange are offered, not SparseLoCo's all-gather")
     need(cfg.inner_steps >= 0, f"inner_steps (H) must be >= 0, got {cfg.inner_steps}")
     per = list(cfg.inner_steps_per_worker)
     need(not per or len(per) == world_size,
@@ -115,7 +112,7 @@ def validate_elastic(cfg: StrategyConfig, world_size: int) -> None:
 def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerConfig,
                          model: nn.Module, comm: Comm, total_steps: int = 0,
                          broadcast_initial: bool = True) -> OptimizerStrategy:
-    """DiLoCo or GASLoC over ``model`` (the model is not wrapped: no DDP). ``total_steps``: the
+    """DiLoCo, GASLoC or SparseLoCo over ``model`` (the model is not wrapped: no DDP). ``total_steps``: the
     run's length, where its last round ends (0: rounds of H to the end). ``broadcast_initial``:
     rank 0's parameters to every rank (all theta^i_0 equal); a resumed run, whose checkpoint
     sets them, skips it."""
@@ -129,7 +126,8 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
             return SparseLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
                               cfg.outer_state_on_cpu, chunk=cfg.sparse_chunk,
                               topk=cfg.sparse_topk, error_decay=cfg.sparse_error_decay,
-                              payload_dtype=cfg.sparse_payload_dtype)
+                              payload_dtype=cfg.sparse_payload_dtype,
+                              rounds_can_fail=cfg.elastic.enabled)
         return GASLoC(params, names, comm, cfg.outer_lr, cfg.outer_momentum, cfg.outer_state_on_cpu,
                       topology=cfg.topology, seed=cfg.seed, mix_momentum=cfg.mix_momentum)
 

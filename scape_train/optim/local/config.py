@@ -8,7 +8,7 @@ from typing import List, Optional
 
 @dataclass
 class ElasticConfig:
-    """DiLoCo / GASLoC across torchft replica groups (``pip install .[elastic]``); off by default.
+    """DiLoCo / GASLoC / SparseLoCo across torchft replica groups (``pip install .[elastic]``); off by default.
 
     Each worker is one process and one replica group with its own torchft ``Manager``; a
     lighthouse (``python -m scape_train.elastic lighthouse``) decides which workers take part in

@@ -14,6 +14,11 @@ For worker r in a round (``e_r`` starts at zero):
     theta0  = theta = the outer step of DiLoCo on delta (outer_lr eta; outer_momentum 0, the
                       paper's, makes it theta0 - eta * delta)
 
+Elastic runs (torchft replica groups): a round whose all-gather or vote fails is applied by
+nobody; each worker puts its ``e_r`` back as it was before the round (its drift is still in theta
+and joins the next round whole). A worker healing from a live peer takes the peer's committed
+point but never its error feedback: a joiner, or a restarted worker, starts its own at zero.
+
 The chunks tile the parameters laid end to end in their order (one flat buffer, zero-padded to
 whole chunks), so a chunk at a tensor's end holds the next tensor's start. A worker sends
 ``chunks * k`` values in the codec's wire format (payload.py: fp32, bf16, fp8 with a power-of-two
@@ -58,7 +63,7 @@ class SparseLoCo(OuterAlgorithm):
 
     def __init__(self, params: list[torch.Tensor], names: list[str], comm: Comm, eta: float,
                  gamma: float, on_cpu: bool, *, chunk: int, topk: int, error_decay: float,
-                 payload_dtype: str):
+                 payload_dtype: str, rounds_can_fail: bool = False):
         super().__init__(params, names, comm, eta, gamma, on_cpu)
         if not 1 <= topk <= chunk <= MAX_CHUNK:
             raise ValueError(f"sparseloco needs 1 <= sparse_topk <= sparse_chunk <= {MAX_CHUNK}, "
@@ -71,6 +76,10 @@ class SparseLoCo(OuterAlgorithm):
         self.value_bytes, self.message_bytes = layout.value_bytes, layout.message_bytes
         # this worker's error feedback, fp32, padded to whole chunks (the padding stays zero)
         self.error = torch.zeros(layout.padded, dtype=torch.float32, device=params[0].device)
+        # elastic runs: a round that does not commit is applied by nobody, and its drift stays in
+        # theta to join the next round, so the error feedback goes back to where it was before
+        # the round (a copy of it, held through the round)
+        self.rounds_can_fail = rounds_can_fail
 
     # -- the round -----------------------------------------------------------------------------
     def compress(self, keep_local: bool = False
@@ -120,8 +129,13 @@ class SparseLoCo(OuterAlgorithm):
         return {**super().round_metrics(drift, committed), "outer/error_norm": left}
 
     def round(self, t: int) -> dict[str, float]:
+        before = self.error.clone() if self.rounds_can_fail else None
         gathered, _, drift, left, _ = self.start_gather(async_op=False)
-        return self.round_metrics(drift, self.apply_all_reduce(self.mean_delta(gathered)), left)
+        committed = self.apply_all_reduce(self.mean_delta(gathered))
+        if not committed and before is not None:
+            self.error.copy_(before)      # e_r as if the round had not been: nobody applied s_r
+            left = float(torch.linalg.vector_norm(before))
+        return self.round_metrics(drift, committed, left)
 
     def start_round(self, t: int, keep_local: bool) -> tuple[PendingRound, dict[str, float]]:
         gathered, handle, drift, left, local = self.start_gather(async_op=True,

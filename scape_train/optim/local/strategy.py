@@ -67,7 +67,7 @@ class LocalStepStrategy(OptimizerStrategy):
 
     def __init__(self, cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, model: nn.Module,
                  comm: Comm, make_outer, total_steps: int = 0, broadcast_initial: bool = True):
-        """``make_outer(params, names) -> OuterAlgorithm`` builds DiLoCo or GASLoC over the params;
+        """``make_outer(params, names) -> OuterAlgorithm`` builds DiLoCo, GASLoC or SparseLoCo;
         ``total_steps``: the run's length (0: no end to fit the last round to);
         ``broadcast_initial``: rank 0's parameters to every rank first (off where a checkpoint
         is loaded next)."""
