@@ -521,6 +521,11 @@ class ReplicaComm(Comm):
         self.last_vote: bool | None = None
         self.last_error: Exception | None = None
         self.kill_at_vote: int | None = None    # fault injection (tests): see elastic/replica.py
+        self.freeze_at_exchange: int | None = None
+
+    def _fault_at_exchange(self) -> None:
+        if self.freeze_at_exchange == self.manager.current_step():
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     @property
     def rank(self) -> int:
@@ -538,6 +543,7 @@ class ReplicaComm(Comm):
         from torch.distributed import ReduceOp
 
         self._check(tensor)
+        self._fault_at_exchange()
         n = ring_all_reduce_bytes(_nbytes(tensor), self.world)
         self.count(kind, n, n)
         timer = self._start_timer(kind, async_op=False)
@@ -562,6 +568,7 @@ class ReplicaComm(Comm):
         if self.world == 1:
             output.copy_(shard.reshape(output.shape))
             return Handle(self, kind)
+        self._fault_at_exchange()
         n = ring_all_gather_bytes(_nbytes(shard), self.world)
         self.count(kind, n, n)
         timer = self._start_timer(kind, async_op=False)
@@ -580,6 +587,7 @@ class ReplicaComm(Comm):
         phases = self._checked(phases)
         if self.manager.errored() or not phases:
             return Handle(self, kind)
+        self._fault_at_exchange()
         self._count_phases(kind, phases)
         timer = self._start_timer(kind, async_op=False)
         try:

@@ -291,13 +291,23 @@ def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
     from scape_train.optim import validate as validate_optimizer
 
     components = [lambda: resolve_config(m, vocab_size=m.vocab_size or 1), lambda: validate_optimizer(o)]
-    _check(cfg.strategy.name != "data_parallel" or not cfg.strategy.elastic.enabled,
-           "strategy.elastic.enabled=true needs a local-step strategy (strategy=diloco, "
-           "gasloc or sparseloco): data-parallel strategies communicate every step")
     if cfg.strategy.name != "data_parallel":
         from scape_train.optim.local import validate as validate_strategy
 
         components.append(lambda: validate_strategy(cfg.strategy, o, world_size))
+    elif cfg.strategy.elastic.enabled:
+        from scape_train.optim.elastic_dense import DENSE
+        from scape_train.optim.local import validate_elastic
+
+        _check(o.name in DENSE,
+               f"strategy.elastic.enabled=true with strategy=data_parallel carries the dense "
+               f"optimizers {list(DENSE)}, not optimizer={o.name}: use one of them, or a "
+               "local-step strategy (strategy=diloco, gasloc or sparseloco)")
+        _check(t.nan_policy == "stop",
+               "trainer.nan_policy=skip with elastic data parallelism: a worker that skipped "
+               "would miss its step's all-reduce and fail the step for everyone; keep the "
+               "default stop (that worker then stops and the others go on without it)")
+        components.append(lambda: validate_elastic(cfg.strategy, world_size))
     for component in components:
         try:
             component()

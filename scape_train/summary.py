@@ -73,10 +73,20 @@ def _density_line(cfg: Any) -> str | None:
     return line
 
 
+def _elastic_part(e: Any) -> str:
+    return (f"elastic: replica {e.replica} of {e.slots} slots, lighthouse "
+            f"{e.lighthouse or '$TORCHFT_LIGHTHOUSE'}, at least {e.min_replicas} per round, "
+            f"a lost peer cut after {e.timeout_s:g}s")
+
+
 def _strategy_line(cfg: Any) -> str | None:
     s = cfg.strategy
     if s.name == "data_parallel":
-        return None
+        if not s.elastic.enabled:
+            return None
+        return (f"data_parallel across torchft replica groups, every step a round (a quorum, "
+                f"the gradients' all-reduce, a vote), optimizer {cfg.optimizer.name}; "
+                + _elastic_part(s.elastic))
     h = f"H_i={list(s.inner_steps_per_worker)}" if s.inner_steps_per_worker else f"H={s.inner_steps}"
     rounds = max(1, cfg.trainer.max_steps // max(1, s.inner_steps))
     line = (f"{s.name}, {h}, ~{rounds} rounds, topology {s.topology}, outer lr {s.outer_lr:g}, "
@@ -87,10 +97,7 @@ def _strategy_line(cfg: Any) -> str | None:
         line += (f"; sends the top {s.sparse_topk} of every {s.sparse_chunk} values of its error "
                  f"feedback (decay {s.sparse_error_decay:g}) as {s.sparse_payload_dtype}")
     if s.elastic.enabled:
-        e = s.elastic
-        line += (f"; elastic: replica {e.replica} of {e.slots} slots, lighthouse "
-                 f"{e.lighthouse or '$TORCHFT_LIGHTHOUSE'}, at least {e.min_replicas} per round, "
-                 f"a lost peer cut after {e.timeout_s:g}s")
+        line += "; " + _elastic_part(s.elastic)
     return line
 
 

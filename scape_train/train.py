@@ -177,23 +177,27 @@ class Trainer:
         self.replica = None       # elastic runs: this worker's torchft replica group
         shard, shards = info.rank, info.world_size
         resume_from = self._resume_path()   # agreed by every rank; loaded below
-        if cfg.strategy.name == "data_parallel":
+        exchange_comm = self.comm
+        if cfg.strategy.elastic.enabled:   # every step's or round's exchange across torchft
+            from scape_train.elastic.replica import ReplicaGroup   # replica groups
+
+            self.replica = ReplicaGroup(cfg.strategy.elastic, self.run_dir,
+                                        self._replica_state, self._load_replica_state)
+            exchange_comm = self.replica.comm
+            shard, shards = cfg.strategy.elastic.replica, cfg.strategy.elastic.slots
+        if cfg.strategy.name == "data_parallel" and self.replica is not None:
+            from scape_train.optim.elastic_dense import ElasticDenseStrategy
+
+            self.strategy = ElasticDenseStrategy(cfg.optimizer, self.model, exchange_comm)
+        elif cfg.strategy.name == "data_parallel":
             self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm,
                                             total_steps=cfg.trainer.max_steps)
-        else:  # DiLoCo / GASLoC: the optimizer group's optimizer takes the inner steps
+        else:  # DiLoCo / GASLoC / SparseLoCo: the optimizer group's optimizer takes inner steps
             from scape_train.optim.local import build_local_strategy
 
-            outer_comm = self.comm
-            if cfg.strategy.elastic.enabled:   # the outer rounds across torchft replica groups
-                from scape_train.elastic.replica import ReplicaGroup
-
-                self.replica = ReplicaGroup(cfg.strategy.elastic, self.run_dir,
-                                            self._replica_state, self._load_replica_state)
-                outer_comm = self.replica.comm
-                shard, shards = cfg.strategy.elastic.replica, cfg.strategy.elastic.slots
             # a resumed run takes its parameters from the checkpoint: no start-up broadcast
-            self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model, outer_comm,
-                                                 total_steps=cfg.trainer.max_steps,
+            self.strategy = build_local_strategy(cfg.strategy, cfg.optimizer, self.model,
+                                                 exchange_comm, total_steps=cfg.trainer.max_steps,
                                                  broadcast_initial=resume_from is None)
         # the group this run's training exchange goes over (elastic: across the replica groups,
         # not the worker's own): its bytes are the ones logged, checkpointed and restored
@@ -308,15 +312,21 @@ class Trainer:
     def _replica_state(self) -> dict:
         """What a healing worker takes from this one (elastic): the pieces of a checkpoint, by
         the same interface (``checkpoint_state``), less this worker's data cursor and RNG. A
-        local-step strategy's state holds the parameters (theta0), so no model file is sent."""
+        local-step strategy's state holds the parameters (theta0); other strategies' do not, and
+        the model's state goes with it."""
         parts = trainer_parts(self.strategy.checkpoint_state(), data={}, rng={},
                               train=dataclasses.asdict(self.state),
                               synchronous=self.strategy.synchronous)
-        return {"replicated": parts.replicated, "per_rank": parts.per_rank}
+        state = {"replicated": parts.replicated, "per_rank": parts.per_rank}
+        if not self.strategy.state_holds_params:
+            state["model"] = self.model.state_dict()
+        return state
 
     def _load_replica_state(self, state: dict) -> None:
         """Heal from a live peer: its committed point and step (the strategy keeps this worker's
         own uncommitted drift); this worker keeps its data shard and position, RNG and tokens."""
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
         train = self._load_strategy(state["replicated"], state["per_rank"])
         self.state.step, self.state.nan_skips = int(train["step"]), 0
 

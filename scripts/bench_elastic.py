@@ -1,14 +1,18 @@
 """What the elastic path costs when nothing fails: a round's wall time of elastic DiLoCo (torchft:
 a lighthouse, one replica group per worker, a quorum and a vote per round) against plain DiLoCo
-(one gloo group), side by side, alternated.
+(one gloo group), side by side, alternated; or, with ``--strategy data_parallel``, a step of
+elastic data parallelism (dense AdamW, every step a round: a quorum, the gradients' all-reduce
+through torchft, a vote, the data cursor kept) against DDP on one gloo group.
 
     python scripts/bench_elastic.py [--rounds 4] [--repeats 4] [--workers 3] [--inner-steps 30]
+    python scripts/bench_elastic.py --strategy data_parallel [--rounds 60]
 
 Each run is ``--workers`` processes of ``python -m scape_train`` (llama_tiny, one thread each) on
 this machine. A round's time is ``H`` times the mean logged ``step_time_s`` of every step after
-the first round (start-up and the first quorum excluded), averaged over the workers. Prints both,
-their ratio per repeat, and the machine's load; writes ``docs/figures/bench_elastic.json`` and
-the ``bench_elastic`` section of ``docs/reliability.md``.
+the first round (start-up and the first quorum excluded; data parallelism: a round is a step, and
+the first 10 are excluded), averaged over the workers. Prints both, their ratio per repeat, and
+the machine's load; writes ``docs/figures/bench_elastic.json`` and the ``bench_elastic`` section
+of ``docs/reliability.md`` (data parallelism: ``bench_elastic_dp``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 JOB = ["model=llama_tiny", "data.seq_len=128", "trainer.micro_batch_size=4", "trainer.log_every=1",
        "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.num_threads=1",
-       "trainer.sample_tokens=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
-       "strategy=diloco"]
+       "trainer.sample_tokens=0", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
+DP_SKIP = 10     # data parallelism: the steps left out of the mean (start-up, the first quorums)
+
+
+def section(strategy: str) -> str:
+    return "bench_elastic_dp" if strategy == "data_parallel" else "bench_elastic"
 
 
 def free_port() -> int:
@@ -43,17 +51,21 @@ def env(**extra: str) -> dict[str, str]:
                 HF_DATASETS_OFFLINE="1", **extra)
 
 
-def round_seconds(run_dir: Path, h: int) -> float:
+def round_seconds(run_dir: Path, h: int, skip: int) -> float:
+    """``h`` x the mean ``step_time_s`` of the steps after the first ``skip``."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > h]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > skip]
     return h * sum(times) / len(times)
 
 
 def run(kind: str, root: Path, args) -> float:
     """One job of ``kind`` (plain | elastic); the workers' mean round time in seconds."""
-    steps = args.rounds * args.inner_steps
-    job = [*JOB, f"strategy.inner_steps={args.inner_steps}", f"trainer.max_steps={steps}",
-           f"trainer.warmup_steps={min(40, steps // 4)}"]
+    dp = args.strategy == "data_parallel"
+    h, skip = (1, DP_SKIP) if dp else (args.inner_steps, args.inner_steps)
+    steps = args.rounds * h
+    job = [*JOB, f"trainer.max_steps={steps}", f"trainer.warmup_steps={min(40, steps // 4)}",
+           *(["strategy=data_parallel", "optimizer=adamw"] if dp else
+             ["strategy=diloco", f"strategy.inner_steps={args.inner_steps}"])]
     procs, lighthouse, port = [], None, free_port()
     logs = open(root / f"{kind}.log", "ab")
     try:
@@ -85,8 +97,8 @@ def run(kind: str, root: Path, args) -> float:
                 p.wait()
         logs.close()
     if kind == "plain":   # one group: rank 0 writes the run's metrics
-        return round_seconds(root / "plain_0", args.inner_steps)
-    per = [round_seconds(root / f"elastic_{w}", args.inner_steps) for w in range(args.workers)]
+        return round_seconds(root / "plain_0", h, skip)
+    per = [round_seconds(root / f"elastic_{w}", h, skip) for w in range(args.workers)]
     return sum(per) / len(per)
 
 
@@ -101,11 +113,19 @@ def commit() -> str:
 def table(r: dict) -> str:
     """The section of docs/reliability.md, from bench_elastic.json."""
     a = r["args"]
-    lines = [f"llama_tiny, DiLoCo H = {a['inner_steps']}, {a['workers']} workers of one process "
-             f"and one thread each on this 2-core machine, {a['rounds']} rounds (the first "
-             f"excluded), contenders alternated; {r['date']}, commit `{r['commit']}`, load "
+    if a.get("strategy", "diloco") == "data_parallel":
+        what = (f"llama_tiny (seq 128, micro-batch 4), dense AdamW, {a['workers']} workers of one "
+                f"process and one thread each on this 2-core machine, {a['rounds']} steps (the "
+                f"first {DP_SKIP} excluded)")
+        names, unit = ("DDP", "elastic data parallel"), "s/step"
+    else:
+        what = (f"llama_tiny, DiLoCo H = {a['inner_steps']}, {a['workers']} workers of one "
+                f"process and one thread each on this 2-core machine, {a['rounds']} rounds (the "
+                "first excluded)")
+        names, unit = ("plain DiLoCo", "elastic DiLoCo"), "s/round"
+    lines = [f"{what}, contenders alternated; {r['date']}, commit `{r['commit']}`, load "
              f"{r['load_before']:.1f} before the first run.", "",
-             "| repeat | plain DiLoCo (s/round) | elastic DiLoCo (s/round) | elastic / plain | "
+             f"| repeat | {names[0]} ({unit}) | {names[1]} ({unit}) | elastic / plain | "
              "load (1 min) |", "|---|---|---|---|---|"]
     for i, rep in enumerate(r["repeats"]):
         lines.append(f"| {i} | {rep['plain']:.3f} | {rep['elastic']:.3f} | "
@@ -118,12 +138,16 @@ def table(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--strategy", choices=["diloco", "data_parallel"], default="diloco")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds (data parallelism: steps); default 4 (60)")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--inner-steps", type=int, default=30)
     ap.add_argument("--docs", default=str(REPO / "docs"), help="where the JSON and page go")
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 60 if args.strategy == "data_parallel" else 4
     load_before = os.getloadavg()
     print(f"load before: {load_before}", flush=True)
     tmp = tempfile.mkdtemp(prefix="bench_elastic_")
@@ -137,7 +161,7 @@ def main() -> None:
         for kind in (("plain", "elastic") if i % 2 == 0 else ("elastic", "plain")):
             start = time.time()
             t[kind] = run(kind, root, args)
-            print(f"repeat {i} {kind}: {t[kind]:.3f} s per round (H={args.inner_steps}, "
+            print(f"repeat {i} {kind}: {t[kind]:.3f} s per round ({args.strategy}, "
                   f"{args.workers} workers; run {time.time() - start:.0f} s; load "
                   f"{os.getloadavg()[0]:.1f})", flush=True)
         print(f"repeat {i}: elastic / plain = {t['elastic'] / t['plain']:.3f}", flush=True)
@@ -145,10 +169,10 @@ def main() -> None:
     print(f"load after: {os.getloadavg()}")
     figures = Path(args.docs) / "figures"
     figures.mkdir(parents=True, exist_ok=True)
-    (figures / "bench_elastic.json").write_text(json.dumps(out, indent=1))
+    (figures / f"{section(args.strategy)}.json").write_text(json.dumps(out, indent=1))
     print(table(out))
     import doc_sections
-    doc_sections.update("bench_elastic", figures=figures)
+    doc_sections.update(section(args.strategy), figures=figures)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,7 @@ SECTIONS: list[Section] = [
     _page("bench_overlap_gasloc_straggler", "gasloc.md", "bench_overlap",
           "bench_overlap_gasloc_straggler.json"),
     _page("bench_elastic", "reliability.md", "bench_elastic", "bench_elastic.json"),
+    _page("bench_elastic_dp", "reliability.md", "bench_elastic", "bench_elastic_dp.json"),
     # the README's figures: re-rendered by `scripts/doc_sections.py` after any of these JSON change
     Section("readme_headline", "README.md", "scripts/readme_figures.py",
             (F + "bench_speed_summary.json", F + "bench_volume.json", F + "quality_study.json",

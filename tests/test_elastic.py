@@ -45,9 +45,11 @@ def cache(tmp_path_factory):
 def job_factory(tmp_path, cache):
     jobs = []
 
-    def make(*extra: str, strategy: str = "diloco", env: dict | None = None) -> ElasticJob:
+    def make(*extra: str, strategy: str = "diloco", env: dict | None = None,
+             min_replicas: int = 1) -> ElasticJob:
         """A lighthouse and workers 0, 1, 2 (``env``: a slot's extra environment)."""
-        job = ElasticJob(tmp_path / "job", cache, *extra, strategy=strategy)
+        job = ElasticJob(tmp_path / "job", cache, *extra, strategy=strategy,
+                         min_replicas=min_replicas)
         jobs.append(job)
         job.launch(3, env)
         return job
@@ -136,9 +138,16 @@ def test_elastic_config_is_checked_early():
     with pytest.raises(ConfigError, match="one process"):
         validate(compose_config([*base, "strategy.elastic.slots=2", "strategy.elastic.replica=0"]),
                  world_size=2)
-    with pytest.raises(ConfigError, match="needs a local-step strategy"):
-        validate(compose_config(["strategy.elastic.enabled=true"]))
     validate(compose_config([*base, "strategy.elastic.slots=2", "strategy.elastic.replica=1"]))
+    # data parallelism across replica groups: dense optimizers, and no step skipped alone
+    dp = ["strategy.elastic.enabled=true", "strategy.elastic.slots=2", "strategy.elastic.replica=1"]
+    with pytest.raises(ConfigError, match="carries the dense optimizers"):
+        validate(compose_config([*dp, "optimizer=scape"]))
+    with pytest.raises(ConfigError, match="nan_policy=skip"):
+        validate(compose_config([*dp, "optimizer=adamw", "trainer.nan_policy=skip"]))
+    with pytest.raises(ConfigError, match="one process"):
+        validate(compose_config([*dp, "optimizer=adams"]), world_size=2)
+    validate(compose_config([*dp, "optimizer=adams"]))
 
 
 # -- short rows -----------------------------------------------------------------------------------
@@ -162,6 +171,31 @@ def test_worker_killed_at_an_inner_step(job_factory, fault_free):
         close_loss(job, s, fault_free.val_loss(0))
 
 
+def test_data_parallel_step_fails_on_a_frozen_worker_then_a_joiner_heals(job_factory):
+    """Dense data parallelism across replica groups, every step a round, under a lighthouse that
+    needs 3 workers. Worker 2 stops itself as its all-reduce of step 11 starts
+    (``SCAPE_FAULT_FREEZE_AT_EXCHANGE``): the others' step fails at the timeout and nobody
+    applies it; they wait for a third worker. A fourth joins, heals (the model and the optimizer
+    state from a live peer), and the three end on the same parameters, bit for bit. (Steps of
+    this job take ~15 ms, so under ``min_replicas=1`` the two would finish before a joiner's
+    imports do: they go on as two as the local-step rows show.)"""
+    job = job_factory("trainer.max_steps=60", "optimizer=adamw", strategy="data_parallel",
+                      env={2: {"SCAPE_FAULT_FREEZE_AT_EXCHANGE": "10"}}, min_replicas=3)
+    job.wait_until(lambda: any(not r["committed"] for r in job.rounds(0)), "a failed step")
+    job.signal(2, signal.SIGKILL)
+    job.start(3)
+    job.wait_done([0, 1, 3], limit_s=240)
+    same_params(job, [0, 1, 3])
+    for s in (0, 1):
+        failed = [r["round"] for r in job.rounds(s) if not r["committed"]]
+        assert failed == [10], failed
+        check_tokens(job, s)
+    assert job.rounds(3)[0]["healed"], "the joiner did not heal at its first step"
+    assert job.rounds(0)[-1]["quorum"] == [0, 1, 3]
+    assert job.val_loss(0) < 7.0, job.val_loss(0)
+
+
+@pytest.mark.slow
 def test_sparseloco_worker_killed_at_an_inner_step(job_factory):
     """SparseLoCo's all-gather across replica groups: worker 2 dies inside a round whose quorum
     holds it, so the survivors' all-gather of that round fails and nobody applies it (each

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -123,3 +124,66 @@ def test_the_default_job_does_not_import_torchft():
             "print('torchft' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def make_dense(votes, optimizer: str = "adamw"):
+    from scape_train.optim.elastic_dense import ElasticDenseStrategy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    cfg = OptimizerConfig(name=optimizer, lr=1e-2, clip_grad=1.0)
+    return model, ElasticDenseStrategy(cfg, model, VotingComm(votes))
+
+
+def backward(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(16, 4, generator=g)).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adams"])
+def test_elastic_dense_step_that_does_not_commit_joins_the_next_as_a_micro_batch(optimizer):
+    """A failed step changes nothing and keeps its gradient; the next committed step updates
+    with the mean of both batches' gradients: exactly the dense step of a two-micro-batch
+    gradient (torch's DenseStrategy on one process, the same clipping)."""
+    from scape_train.optim.dense import DenseStrategy
+
+    model, strat = make_dense([False, True], optimizer)
+    before = flat(strat.params).clone()
+    backward(model, 0)
+    strat.step(1e-2)
+    strat.zero_grad()
+    assert torch.equal(flat(strat.params), before) and strat.progress(1) == 0
+    assert strat.params[0].grad is not None            # kept for the next step
+    backward(model, 1)
+    strat.step(1e-2)
+    strat.zero_grad()
+    assert strat.progress(2) == 1 and strat.params[0].grad is None
+
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ref = DenseStrategy(OptimizerConfig(name=optimizer, lr=1e-2, clip_grad=1.0), ref_model,
+                        adams=optimizer == "adams")
+    backward(ref_model, 0)
+    backward(ref_model, 1)
+    for p in ref.params:
+        p.grad.div_(2)
+    ref.step(1e-2)
+    assert torch.equal(flat(strat.params), flat(ref.params))
+    assert not torch.equal(flat(strat.params), before)
+
+
+def test_elastic_dense_heals_to_the_peers_state_and_drops_its_failed_steps():
+    peer_model, peer = make_dense([True, True])
+    for s in range(2):
+        backward(peer_model, 10 + s)
+        peer.step(1e-2)
+        peer.zero_grad()
+    model, strat = make_dense([False])
+    backward(model, 0)
+    strat.step(1e-2)
+    strat.zero_grad()
+    strat.load_checkpoint_state(peer.checkpoint_state())
+    assert strat.progress(0) == 2 and strat.attempts == 0
+    assert all(p.grad is None for p in strat.params)
+    state = strat.optimizer.state[strat.params[0]]
+    assert torch.equal(state["exp_avg"], peer.optimizer.state[peer.params[0]]["exp_avg"])

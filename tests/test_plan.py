@@ -113,6 +113,8 @@ STEP_CASES = {
     "adamw": ["optimizer=adamw"],
     "adamw_loop": ["optimizer=adamw", "optimizer.foreach=false"],
     "adams_official": ["optimizer=adams", "optimizer.bias_correction=official"],
+    "adamw_elastic": ["optimizer=adamw", "strategy.elastic.enabled=true",
+                      "strategy.elastic.replica=0", "strategy.elastic.slots=1"],
     "scape": ["optimizer=scape", "optimizer.density=0.05", "optimizer.density_warmup_steps=0"],
     "scape_sharded": ["optimizer=scape", "optimizer.sharded=true", "optimizer.density=0.05",
                       "optimizer.density_warmup_steps=0"],
@@ -147,8 +149,14 @@ def test_step_replay_matches_the_bytes_a_real_step_allocates(case, monkeypatch):
                           "model.max_seq_len=32", "data.seq_len=32"] + STEP_CASES[case])
     torch.manual_seed(0)
     model = build_model(cfg.model, device="cpu")
-    strategy = (build_optimizer(cfg.optimizer, model) if cfg.strategy.name == "data_parallel"
-                else build_local_strategy(cfg.strategy, cfg.optimizer, model, Comm()))
+    if cfg.strategy.name != "data_parallel":
+        strategy = build_local_strategy(cfg.strategy, cfg.optimizer, model, Comm())
+    elif cfg.strategy.elastic.enabled:   # as the trainer builds it (the exchange on one process)
+        from scape_train.optim.elastic_dense import ElasticDenseStrategy
+
+        strategy = ElasticDenseStrategy(cfg.optimizer, model, Comm())
+    else:
+        strategy = build_optimizer(cfg.optimizer, model)
     # the first step allocates lazy state (AdamW): steady from step 2
     peaks = _real_step_peaks(strategy, model, 3)
     replay = optimizer_memory(cfg, build_model(cfg.model, device="meta"), 1, on_gpu=False)

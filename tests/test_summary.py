@@ -126,3 +126,17 @@ def test_progress_bar_shows_what_matters_for_the_optimizer(tmp_path):
     logger.log(1, {"val_loss": 2.5})            # the step's other fields stay on the bar
     assert logger.bar.postfix == "loss=2, density=0.5, MB/step=1, val_loss=2.5"
     logger.close()
+
+
+def test_elastic_strategy_lines_name_the_lighthouse_and_the_round():
+    from scape_train.summary import _strategy_line
+    from tests.helpers import compose_config
+
+    elastic = ["strategy.elastic.enabled=true", "strategy.elastic.slots=3",
+               "strategy.elastic.replica=1", "strategy.elastic.lighthouse=http://lh:29510"]
+    dp = _strategy_line(compose_config(["optimizer=adamw", *elastic]))
+    assert dp.startswith("data_parallel across torchft replica groups, every step a round")
+    assert "optimizer adamw" in dp and "replica 1 of 3 slots, lighthouse http://lh:29510" in dp
+    local = _strategy_line(compose_config(["strategy=diloco", "optimizer=adamw", *elastic]))
+    assert local.startswith("diloco, H=") and "replica 1 of 3 slots" in local
+    assert _strategy_line(compose_config(["optimizer=adamw"])) is None

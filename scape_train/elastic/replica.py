@@ -133,8 +133,12 @@ class ReplicaGroup:
         # Fault injection for tests (docs/reliability.md), off unless set:
         # SCAPE_FAULT_KILL_AT_VOTE=R SIGKILLs this worker in round R after its exchange, before
         # its vote (the others finished the exchange with it: a death at the round itself).
+        # SCAPE_FAULT_FREEZE_AT_EXCHANGE=R stops this worker (SIGSTOP) in round R after its quorum,
+        # as its exchange starts: its peers' exchange of that round waits for it until the timeout.
         kill_at = os.environ.get("SCAPE_FAULT_KILL_AT_VOTE", "")
         self.comm.kill_at_vote = int(kill_at) if kill_at.strip() else None
+        freeze_at = os.environ.get("SCAPE_FAULT_FREEZE_AT_EXCHANGE", "")
+        self.comm.freeze_at_exchange = int(freeze_at) if freeze_at.strip() else None
 
     # -- the round ---------------------------------------------------------------------------
     def _heal(self, state: dict) -> None:

@@ -45,6 +45,9 @@ class OptimizerStrategy(abc.ABC):
     #: inner steps between exchanges, so the trainer issues no per-step collective and only
     #: validates, checkpoints and stops at sync points (see ``progress``).
     synchronous: bool = True
+    #: True where ``checkpoint_state()`` holds the parameters themselves (local-step strategies:
+    #: theta0 and a worker's own theta), so a healing elastic worker needs no model file.
+    state_holds_params: bool = False
 
     def progress(self, step: int) -> int | None:
         """The step count every rank agrees on after local step ``step``, or ``None`` when this

@@ -129,6 +129,8 @@ def _dense(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory
         if o.name == "powersgd":
             mem.state.append(("PowerSGD error feedback (fp32)", F32 * p.total))
     r = Replay()
+    if cfg.strategy.elastic.enabled:   # optim/elastic_dense.py: the gradients averaged in one
+        r.alloc(F32 * p.total, "flat gradients, all-reduced across replica groups")   # buffer
     _adam_step(r, inner, p, o, on_gpu, scaled_grads=o.clip_grad > 0)
     mem.step, mem.step_where = r.peak, r.where
     return mem

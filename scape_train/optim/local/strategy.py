@@ -64,6 +64,7 @@ def _snapshot_tree(obj: Any) -> Any:
 
 class LocalStepStrategy(OptimizerStrategy):
     synchronous = False
+    state_holds_params = True
 
     def __init__(self, cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, model: nn.Module,
                  comm: Comm, make_outer, total_steps: int = 0, broadcast_initial: bool = True):
