@@ -279,6 +279,30 @@ def test_killed_worker_restarts_resumes_its_shard_and_heals(job_factory):
 
 
 @pytest.mark.slow
+def test_data_parallel_worker_killed_restarts_resumes_its_shard_and_heals(job_factory):
+    """Elastic data parallelism, a lighthouse that needs 3 workers: worker 2 is killed as its
+    all-reduce of step 21 starts (frozen there, then SIGKILLed), so the others' step fails and
+    they wait; restarted with ``resume=auto`` it resumes its data shard at its last committed
+    batch, heals from a peer (the model too), and the three end on the same parameters, its
+    metrics one record over both lives."""
+    job = job_factory("trainer.max_steps=60", "optimizer=adamw", strategy="data_parallel",
+                      env={2: {"SCAPE_FAULT_FREEZE_AT_EXCHANGE": "20"}}, min_replicas=3)
+    job.wait_until(lambda: any(not r["committed"] for r in job.rounds(0)), "a failed step")
+    job.signal(2, signal.SIGKILL)
+    job.workers[2].wait()
+    first_life = job.metrics(2)
+    job.start(2)
+    job.wait_done([0, 1, 2], limit_s=240)
+    same_params(job, [0, 1, 2])
+    for s in range(3):
+        check_tokens(job, s)   # worker 2: resumed at its last committed batch (20)
+    one_record(job, 2, first_life)
+    resumed = [r["resumed_batches"] for r in job.rows(2) if "resumed_batches" in r]
+    assert resumed == [20], resumed
+    assert any(r["healed"] for r in job.rounds(2)), "the restarted worker did not heal"
+
+
+@pytest.mark.slow
 def test_fourth_worker_joins_mid_run(job_factory):
     job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
     job.wait_rows(0, 3)
