@@ -88,9 +88,12 @@ def _strategy_line(cfg: Any) -> str | None:
                 f"the gradients' all-reduce, a vote), optimizer {cfg.optimizer.name}; "
                 + _elastic_part(s.elastic))
     h = f"H_i={list(s.inner_steps_per_worker)}" if s.inner_steps_per_worker else f"H={s.inner_steps}"
-    rounds = max(1, cfg.trainer.max_steps // max(1, s.inner_steps))
+    rounds = max(1, cfg.trainer.max_steps // max(1, s.inner_steps // max(1, s.fragments)))
     line = (f"{s.name}, {h}, ~{rounds} rounds, topology {s.topology}, outer lr {s.outer_lr:g}, "
             f"momentum {s.outer_momentum:g}, inner optimizer {cfg.optimizer.name}")
+    if s.fragments > 1:
+        line += (f"; streaming: {s.fragments} fragments, one synchronized every "
+                 f"{s.inner_steps // s.fragments} steps")
     if s.round_budget_s > 0:
         line += f", round budget {s.round_budget_s:g}s"
     if s.name == "sparseloco":

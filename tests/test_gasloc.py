@@ -564,6 +564,7 @@ def _trainer_job(rank, world, run_dir, tok_cache, *overrides):
 
 GASLOC_2PEER_H2 = ("strategy=gasloc", "strategy.topology=2peer", "strategy.inner_steps=2")
 SPARSELOCO = ("strategy=sparseloco", "strategy.sparse_chunk=512", "strategy.sparse_topk=8")
+STREAMING = ("strategy=diloco", "strategy.fragments=2")     # with H = 2: a fragment every step
 
 
 @pytest.mark.slow
@@ -590,8 +591,9 @@ def test_trainer_with_per_worker_inner_steps_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [("strategy=diloco",), GASLOC_2PEER_H2[:2], SPARSELOCO],
-                         ids=["diloco", "gasloc_2peer", "sparseloco"])
+@pytest.mark.parametrize("strategy", [("strategy=diloco",), GASLOC_2PEER_H2[:2], SPARSELOCO,
+                                      STREAMING],
+                         ids=["diloco", "gasloc_2peer", "sparseloco", "streaming_diloco"])
 def test_a_resumed_runs_total_bytes_equal_the_uninterrupted_runs(tmp_path, strategy):
     """A resumed local-step run logs what the uninterrupted one logs (its total bytes included:
     the start-up broadcast of the parameters is sent once per run; a resume, whose checkpoint
@@ -631,7 +633,7 @@ def test_trainer_overlapped_rounds_resume_exactly_and_send_the_blocking_runs_byt
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-EXPERIMENTS = ["tiny_diloco", "tiny_gasloc_2peer", "tiny_sparseloco", "gasloc_134m_h30", "gasloc_1peer_134m_h30",
+EXPERIMENTS = ["tiny_diloco", "tiny_streaming_diloco", "tiny_gasloc_2peer", "tiny_sparseloco", "gasloc_134m_h30", "gasloc_1peer_134m_h30",
                "diloco_134m_h30", "gasloc_134m_h1", "dadam_134m_h1", "gasloc_551m_h1",
                "gasloc_551m_h30", "diloco_551m_h30", "gasloc_134m_h30_straggler"]
 

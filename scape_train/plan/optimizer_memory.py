@@ -24,6 +24,7 @@ alive together are the ones the code keeps together:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -32,6 +33,7 @@ from scape_train.config import Config
 from scape_train.optim.adams_foreach import slices
 from scape_train.optim.density import DensitySchedule, segment_k
 from scape_train.optim.dense import adams_impl
+from scape_train.optim.local.fragments import fragments
 from scape_train.optim.local.sparseloco import MessageLayout
 from scape_train.optim.scape.payload import PayloadCodec
 from scape_train.plan.simulate import Replay
@@ -59,6 +61,7 @@ class OptimizerMemory:
 class _Params:
     numels: list[int]
     ndims: list[int]
+    names: list[str]
 
     @property
     def total(self) -> int:
@@ -70,8 +73,8 @@ class _Params:
 
 
 def _params(model: nn.Module) -> _Params:
-    ps = [p for p in model.parameters() if p.requires_grad]
-    return _Params([p.numel() for p in ps], [p.ndim for p in ps])
+    ps = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return _Params([p.numel() for _, p in ps], [p.ndim for _, p in ps], [n for n, _ in ps])
 
 
 # -- dense inner optimizers ------------------------------------------------------------------------
@@ -418,13 +421,24 @@ def _local(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory
     r = Replay()
     _adam_step(r, inner, p, o, on_gpu, scaled_grads=False)
     fetch = 2 * F32 * big if on_host else 0          # theta0 and y_prev copied to the device
-    buffers = in_flight_buffers(s, n, world)
+    # the round's part of the model: all of it, or (Streaming DiLoCo) one fragment; the plan
+    # holds the worst one's buffers in flight and replays each one's round
+    parts = ([list(range(len(p.numels)))] if s.fragments <= 1
+             else fragments(p.names, p.numels, s.fragments))
+    sizes = [(sum(p.numels[i] for i in part), max(p.numels[i] for i in part)) for part in parts]
+    buffers = in_flight_buffers(s, max(size for size, _ in sizes), world)
     if s.overlap_steps > 0:   # held from the round's end to its landing: state, for the plan
         mem.state += [(f"overlapped round in flight: {what}", b) for what, b in buffers]
     if s.name == "sparseloco":
         _sparseloco_round(r, s, n, big, world, fetch, buffers)
     else:
-        _dense_round(r, s, n, big, fetch, buffers)
+        rounds = []
+        for size, largest in sizes:
+            each = copy.deepcopy(r)
+            _dense_round(each, s, size, largest, 2 * F32 * largest if on_host else 0,
+                         in_flight_buffers(s, size, world))
+            rounds.append(each)
+        r = max(rounds, key=lambda each: each.peak)
     mem.step, mem.step_where = r.peak, r.where
     if not on_gpu:   # snapshot() copies the state where the device is the host (at a round end,
         # where the trainer checkpoints, theta equals theta0 and is not copied)

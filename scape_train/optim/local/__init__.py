@@ -19,6 +19,7 @@ from ..config import OptimizerConfig
 from ..scape.payload import PAYLOAD_DTYPES
 from .config import StrategyConfig
 from .diloco import DiLoCo
+from .fragments import StreamingDiLoCo
 from .gasloc import GASLoC
 from .sparseloco import MAX_CHUNK, SparseLoCo
 from .strategy import LocalStepStrategy
@@ -74,6 +75,20 @@ def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: in
          f"overlap_local_weight (alpha) must be in [0, 1], got {cfg.overlap_local_weight}")
     need(cfg.overlap_local_weight == 0.0 or cfg.overlap_merge == "mix",
          "overlap_local_weight is mix's alpha: set strategy.overlap_merge=mix with it")
+    if cfg.fragments != 1:
+        need(cfg.fragments > 1, f"fragments must be >= 1, got {cfg.fragments}")
+        need(cfg.name == "diloco", f"fragments={cfg.fragments} (Streaming DiLoCo) applies to "
+             f"strategy=diloco, not {cfg.name}")
+        need(cfg.inner_steps % cfg.fragments == 0,
+             f"fragments={cfg.fragments} must divide inner_steps={cfg.inner_steps}: one fragment "
+             "is synchronized every inner_steps / fragments steps")
+        need(not per and cfg.round_budget_s <= 0,
+             "fragments > 1 takes one H for every worker: drop inner_steps_per_worker and "
+             "round_budget_s")
+        need(cfg.overlap_steps < cfg.inner_steps // cfg.fragments,
+             f"overlap_steps (tau) must be < inner_steps / fragments = "
+             f"{cfg.inner_steps // cfg.fragments} with fragments: a fragment's exchange lands "
+             f"before the next fragment's round; got {cfg.overlap_steps}")
     need(cfg.overlap_steps == 0 or not cfg.elastic.enabled,
          "overlap_steps > 0 with strategy.elastic: an elastic round commits by a vote after its "
          "exchange, which an overlapped round would take steps later; set overlap_steps=0")
@@ -120,6 +135,9 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
     validate(cfg, optimizer_cfg, comm.world)
 
     def make_outer(params, names):
+        if cfg.name == "diloco" and cfg.fragments > 1:
+            return StreamingDiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
+                                   cfg.outer_state_on_cpu, count=cfg.fragments)
         if cfg.name == "diloco":
             return DiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum, cfg.outer_state_on_cpu)
         if cfg.name == "sparseloco":
@@ -135,6 +153,6 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
                              broadcast_initial)
 
 
-__all__ = ["DiLoCo", "GASLoC", "LocalStepStrategy", "SparseLoCo", "STRATEGIES", "StrategyConfig", "TOPOLOGIES",
+__all__ = ["DiLoCo", "GASLoC", "LocalStepStrategy", "SparseLoCo", "StreamingDiLoCo", "STRATEGIES", "StrategyConfig", "TOPOLOGIES",
            "build_local_strategy", "mixing_matrix", "peers", "permutation", "validate",
            "validate_elastic"]

@@ -51,6 +51,9 @@ class StrategyConfig:
     sparse_topk: int = 64             # sparseloco: values sent per chunk (64 / 4096 = 1.6%)
     sparse_error_decay: float = 0.95  # sparseloco: beta of e <- beta * e + drift, each round
     sparse_payload_dtype: str = "fp32"    # sparseloco: fp32 | bf16 | fp8_e4m3 | fp8_e5m2 values
+    # Streaming DiLoCo: each fragment synchronized every H steps, one of them every H/F steps
+    # (strided over the blocks), so a round moves 1/F of the model
+    fragments: int = 1                # diloco: Streaming DiLoCo's fragments F (1: plain DiLoCo)
     seed: int = 0                     # the mixing graph's RNG seed (with the round number)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     max_rounds: Optional[int] = None  # informational: the run ends at trainer.max_steps, i.e.

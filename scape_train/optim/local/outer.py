@@ -99,6 +99,14 @@ class OuterState:
         self.anchor = [copy(p) for p in params]
         self.y_prev = [copy(p) for p in params]   # y_{-1} := theta_0
 
+    @classmethod
+    def of(cls, names: list[str], anchor: list[torch.Tensor], y_prev: list[torch.Tensor]
+           ) -> "OuterState":
+        """One outer state over tensors held elsewhere (Streaming DiLoCo's fragments')."""
+        state = cls.__new__(cls)
+        state.names, state.anchor, state.y_prev = names, anchor, y_prev
+        return state
+
     @staticmethod
     def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t if t.device == device else t.to(device, non_blocking=True)
@@ -116,6 +124,10 @@ class OuterState:
 
 class OuterAlgorithm(abc.ABC):
     """One outer round over the live ``params``: ``round(t)`` returns scalar metrics."""
+
+    #: a committed blocking round leaves every parameter at its anchor (theta == theta0), so a
+    #: checkpoint there needs no copy of theta; Streaming DiLoCo's round sets one fragment only
+    round_sets_every_param: bool = True
 
     def __init__(self, params: list[torch.Tensor], names: list[str], comm: Comm, eta: float,
                  gamma: float, on_cpu: bool):

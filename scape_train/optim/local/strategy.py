@@ -83,8 +83,9 @@ class LocalStepStrategy(OptimizerStrategy):
         self.outer: OuterAlgorithm = make_outer(self.params, names)
         self.param_names = names
         per_worker = list(cfg.inner_steps_per_worker)
-        self.h_local = per_worker[comm.rank] if per_worker else cfg.inner_steps
-        self.nominal_h = max(cfg.inner_steps, 1)   # the step count a round stands for
+        # Streaming DiLoCo (fragments F): a round every H/F steps, each of one fragment
+        self.h_local = per_worker[comm.rank] if per_worker else cfg.inner_steps // cfg.fragments
+        self.nominal_h = max(cfg.inner_steps // cfg.fragments, 1)   # the steps a round stands for
         self.total_steps = total_steps
         self.budget_s = float(cfg.round_budget_s)
         # whose state this is: the elastic replica slot, else the rank. Another worker's state
@@ -218,9 +219,10 @@ class LocalStepStrategy(OptimizerStrategy):
             "last_round": dict(self._last_round),
         }
         # After a committed round theta == theta0 (saved as the anchor); mid-round, after a
-        # round that did not commit, or with overlapped rounds, this worker's own theta is
-        # needed too (the checkpoint's model file holds rank 0's replica only).
-        if self.uncommitted_steps > 0 or self.overlap:
+        # round that did not commit, with overlapped rounds, or where a round sets one fragment
+        # only, this worker's own theta is needed too (the checkpoint's model file holds rank
+        # 0's replica only).
+        if self.uncommitted_steps > 0 or self.overlap or not self.outer.round_sets_every_param:
             state["params"] = {n: p.detach() for n, p in zip(self.param_names, self.params)}
         state.update(self._pending_state())
         return StateParts(per_rank=state)

@@ -1,0 +1,152 @@
+"""Streaming DiLoCo (``strategy=diloco strategy.fragments=F``): one fragment per round, every H/F
+steps; each round against DiLoCo's rule on that fragment alone (2 gloo ranks), its bytes, the
+fragments' assignment, exact resume with a fragment's exchange in flight, and the refusals."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scape_train.comm import Comm, ring_all_reduce_bytes
+from scape_train.optim.config import OptimizerConfig
+from scape_train.optim.local import StrategyConfig, build_local_strategy, validate
+from scape_train.optim.local.fragments import fragments
+from tests._dist import run_distributed
+from tests._optim_common import batch, flat_params, loss_fn, tiny_model
+
+OPT = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1)
+CFG = dict(name="diloco", inner_steps=4, fragments=2, outer_lr=0.7, outer_momentum=0.9)
+
+
+def test_fragments_stride_the_blocks_and_balance_the_rest():
+    names = ["tok_emb.weight", *(f"layers.{i}.{w}" for i in range(4) for w in ("a", "b")),
+             "norm.weight", "lm_head.weight"]
+    numels = [100, *([10] * 8), 4, 100]
+    parts = fragments(names, numels, 2)
+    assert sorted(i for part in parts for i in part) == list(range(len(names)))   # each once
+    by_name = [{names[i] for i in part} for part in parts]
+    assert {"layers.0.a", "layers.2.b"} <= by_name[0] and {"layers.1.a", "layers.3.b"} <= by_name[1]
+    # the embedding and the head, the largest, go to different fragments
+    assert ("tok_emb.weight" in by_name[0]) != ("lm_head.weight" in by_name[0])
+    assert fragments(names, numels, 1) == [list(range(len(names)))]
+    with pytest.raises(ValueError, match="without a tensor"):
+        fragments(names[:2], numels[:2], 3)
+
+
+def _make(seed: int = 0, **over):
+    model = tiny_model(seed)
+    return build_local_strategy(StrategyConfig(**{**CFG, **over}), OPT, model, Comm()), model
+
+
+def _steps(strategy, model, first: int, last: int, rank: int) -> list[dict]:
+    out = []
+    for step in range(first, last + 1):
+        strategy.before_forward(step)
+        loss_fn(model, *batch(step, rank)).backward()
+        out.append(strategy.step(1e-2))
+        strategy.zero_grad()
+    return out
+
+
+def _rule_worker(rank, world):
+    """Every round's outcome against DiLoCo's rule on its fragment, the rest untouched."""
+    strategy, model = _make()
+    outer = strategy.outer
+    checks = []
+    original = outer.round
+
+    def checked_round(t):
+        frag = outer.fragment_of(t)
+        params = [p.detach().clone() for p in strategy.params]
+        anchor = [a.clone() for a in outer.state.anchor]
+        y_prev = [y.clone() for y in outer.state.y_prev]
+        drifts = [(a - p).double() for a, p in zip(anchor, params)]
+        for d in drifts:                       # the mean over workers, in float64
+            dist.all_reduce(d)
+            d.div_(world)
+        strategy.comm.pop_stats()
+        metrics = original(t)
+        sent = strategy.comm.pop_stats()
+        inside = {id(p) for p in frag.params}
+        ok = True
+        for i, p in enumerate(strategy.params):
+            if id(p) in inside:
+                y = anchor[i].double() - 0.7 * drifts[i]
+                x = y + 0.9 * (y - y_prev[i].double())
+                ok &= torch.allclose(p.double(), x, rtol=0, atol=1e-6)
+                ok &= torch.equal(outer.state.anchor[i], p.detach())
+            else:                               # trains on: theta, theta0, y_prev as they were
+                ok &= torch.equal(p.detach(), params[i])
+                ok &= torch.equal(outer.state.anchor[i], anchor[i])
+                ok &= torch.equal(outer.state.y_prev[i], y_prev[i])
+        numel = sum(p.numel() for p in frag.params)
+        checks.append({"ok": bool(ok), "fragment": metrics["outer/fragment"],
+                       "sent": sent.get("comm/outer_sent_bytes"), "numel": numel})
+        return metrics
+
+    outer.round = checked_round
+    strategy.comm.pop_stats()
+    log = _steps(strategy, model, 1, 8, rank)
+    return {"checks": checks, "progress": strategy.progress(8),
+            "rounds": [m.get("outer/round") for m in log]}
+
+
+def test_each_round_is_diloco_on_its_fragment_and_sends_only_it():
+    res = run_distributed(_rule_worker, 2)
+    for r in res:
+        checks = r["checks"]
+        assert [c["fragment"] for c in checks] == [0.0, 1.0, 0.0, 1.0]   # a round every H/F = 2
+        assert all(c["ok"] for c in checks), checks
+        for c in checks:
+            assert c["sent"] == ring_all_reduce_bytes(4 * c["numel"], 2)
+        assert sum(c["numel"] for c in checks[:2]) == sum(p.numel() for p in tiny_model().parameters())
+        assert r["progress"] == 8
+    assert res[0]["checks"] == res[1]["checks"]
+
+
+def _resume_worker(rank, world, tau):
+    """Cut at step 8, just after fragment 1's round (fragment 0 trained two steps past its
+    anchor; with tau = 1, fragment 1's exchange in flight): the resumed run ends bit for bit
+    where the straight run ends."""
+    straight, m1 = _make(overlap_steps=tau)
+    _steps(straight, m1, 1, 12, rank)
+    first, m2 = _make(overlap_steps=tau)
+    _steps(first, m2, 1, 8, rank)
+    assert first.outer.in_flight == (1 if tau else 0)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    second, m3 = _make(seed=123, overlap_steps=tau)
+    second.load_state_dict(torch.load(buf, weights_only=True))
+    _steps(second, m3, 9, 12, rank)
+    return torch.equal(flat_params(m1), flat_params(m3))
+
+
+@pytest.mark.parametrize("tau", [0, 1], ids=["blocking", "in_flight"])
+def test_resume_between_fragments_rounds_is_exact(tau):
+    assert all(run_distributed(_resume_worker, 2, (tau,)))
+
+
+@pytest.mark.parametrize("over,words", [
+    (dict(fragments=0), "fragments must be >= 1"),
+    (dict(name="gasloc", topology="2peer"), "applies to strategy=diloco"),
+    (dict(inner_steps=30, fragments=4), "must divide inner_steps=30"),
+    (dict(overlap_steps=2), r"overlap_steps \(tau\) must be < inner_steps / fragments = 2"),
+    (dict(round_budget_s=5.0), "drop inner_steps_per_worker and round_budget_s"),
+])
+def test_bad_fragment_configs_are_refused_by_name(over, words):
+    with pytest.raises(ValueError, match=words):
+        validate(StrategyConfig(**{**CFG, **over}), OPT, 2)
+
+
+def test_the_summary_line_names_the_fragments():
+    from scape_train.summary import _strategy_line
+    from tests.helpers import compose_config
+
+    line = _strategy_line(compose_config(["strategy=diloco", "optimizer=adamw",
+                                          "strategy.fragments=3", "trainer.max_steps=300"]))
+    assert line.startswith("diloco, H=30, ~30 rounds")
+    assert line.endswith("streaming: 3 fragments, one synchronized every 10 steps")
