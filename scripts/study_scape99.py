@@ -61,6 +61,7 @@ class Candidate:
     hysteresis: float = 0.0      # optimizer.mask_hysteresis (ours, opt-in)
     strategy: str = "data_parallel"   # or local-step training: diloco, gasloc, sparseloco
     inner_steps: int = 30        # their H
+    fragments: int = 1           # DiLoCo's: Streaming DiLoCo's F
 
     def overrides(self, steps: int) -> list[str]:
         if self.strategy != "data_parallel":
@@ -68,7 +69,8 @@ class Candidate:
             return [f"optimizer={self.optimizer}", f"strategy={self.strategy}",
                     f"strategy.inner_steps={self.inner_steps}",
                     *([f"strategy.sparse_payload_dtype={self.payload}"]
-                      if self.strategy == "sparseloco" and self.payload != "fp32" else [])]
+                      if self.strategy == "sparseloco" and self.payload != "fp32" else []),
+                    *([f"strategy.fragments={self.fragments}"] if self.fragments != 1 else [])]
         if self.optimizer == "powersgd":
             return ["optimizer=powersgd", f"optimizer.powersgd_rank={self.rank}"]
         if self.optimizer not in ("scape", "topk_adamw"):
@@ -144,6 +146,10 @@ CANDIDATES = {c.name: c for c in [
     # at H = 30, in its paper's range; the grid's centre is H = 10's best lr
     _s("sparseloco_h30", "SparseLoCo (64 of 4096, fp32), H = 30", 2e-3, optimizer="adamw",
        strategy="sparseloco", inner_steps=30),
+    # Streaming DiLoCo at DiLoCo H = 30's bytes: 3 fragments, one every 10 steps; the grid's
+    # centre is DiLoCo H = 30's best lr
+    _s("streaming_h30_f3", "Streaming DiLoCo, H = 30, 3 fragments", 2.5e-4, optimizer="adamw",
+       strategy="diloco", inner_steps=30, fragments=3),
     _s("sparseloco_h10_fp8", "SparseLoCo (64 of 4096, fp8), H = 10", 2e-3, optimizer="adamw",
        strategy="sparseloco", inner_steps=10, payload="fp8_e4m3"),
 ]}
