@@ -171,6 +171,7 @@ def test_worker_killed_at_an_inner_step(job_factory, fault_free):
         close_loss(job, s, fault_free.val_loss(0))
 
 
+@pytest.mark.slow
 def test_data_parallel_step_fails_on_a_frozen_worker_then_a_joiner_heals(job_factory):
     """Dense data parallelism across replica groups, every step a round, under a lighthouse that
     needs 3 workers. Worker 2 stops itself as its all-reduce of step 11 starts
