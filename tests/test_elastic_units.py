@@ -187,3 +187,16 @@ def test_elastic_dense_heals_to_the_peers_state_and_drops_its_failed_steps():
     assert all(p.grad is None for p in strat.params)
     state = strat.optimizer.state[strat.params[0]]
     assert torch.equal(state["exp_avg"], peer.optimizer.state[peer.params[0]]["exp_avg"])
+
+
+def test_streaming_diloco_retries_the_fragment_whose_round_did_not_commit():
+    """Fragments under elastic rounds: a failed round of fragment 0 changes nothing, and the next
+    round is fragment 0's again (round t is fragment t mod F, t counting committed rounds)."""
+    model, strat = make([False, True, True], slot=0, h=4, fragments=2)
+    anchor0 = flat(strat.outer.state.anchor).clone()
+    rounds = []
+    for s in range(6):                     # a round every 2 steps: fails, commits, commits
+        inner_step(model, strat, s)
+        rounds.append(strat._last_round.get("outer/fragment"))
+    assert rounds[1::2] == [0.0, 0.0, 1.0] and strat.rounds_done == 2
+    assert not torch.equal(flat(strat.outer.state.anchor), anchor0)
