@@ -115,6 +115,22 @@ def one_record(job: ElasticJob, slot: int, first_life: list[dict]) -> None:
         assert [v for _, v in values] == sorted(v for _, v in values), (key, values)
 
 
+def kill_and_restart(job: ElasticJob, slot: int, limit_s: float) -> None:
+    """SIGKILL worker ``slot`` and start it again (``resume=auto``); then every worker ends on the
+    same parameters, each committed every batch it read (the restarted one resumed at its last
+    committed batch), and the restarted worker's metrics are one record over both lives."""
+    job.signal(slot, signal.SIGKILL)
+    job.workers[slot].wait()
+    first_life = job.metrics(slot)
+    job.start(slot)
+    slots = sorted(job.workers)
+    job.wait_done(slots, limit_s=limit_s)
+    same_params(job, slots)
+    for s in slots:
+        check_tokens(job, s)
+    one_record(job, slot, first_life)
+
+
 def close_loss(job: ElasticJob, slot: int, reference: float) -> None:
     loss = job.val_loss(slot)
     assert abs(loss - reference) < LOSS_TOL, (loss, reference)
@@ -266,15 +282,7 @@ def test_worker_frozen_past_the_timeout_then_heals(job_factory):
 def test_killed_worker_restarts_resumes_its_shard_and_heals(job_factory):
     job = job_factory(f"trainer.max_steps={60 * H}", *SLOW)
     job.wait_mid_round(2)
-    job.signal(2, signal.SIGKILL)
-    job.workers[2].wait()
-    first_life = job.metrics(2)
-    job.start(2)
-    job.wait_done([0, 1, 2], limit_s=300)
-    same_params(job, [0, 1, 2])
-    for s in range(3):
-        check_tokens(job, s)   # worker 2: resumed at its last committed batch
-    one_record(job, 2, first_life)
+    kill_and_restart(job, 2, limit_s=300)
     assert rounds_to_rejoin(job, 2, survivor=0) <= 2
     assert any(not r["committed"] for s in (0, 1) for r in job.rounds(s)), "no round failed"
 
@@ -289,15 +297,7 @@ def test_data_parallel_worker_killed_restarts_resumes_its_shard_and_heals(job_fa
     job = job_factory("trainer.max_steps=60", "optimizer=adamw", strategy="data_parallel",
                       env={2: {"SCAPE_FAULT_FREEZE_AT_EXCHANGE": "20"}}, min_replicas=3)
     job.wait_until(lambda: any(not r["committed"] for r in job.rounds(0)), "a failed step")
-    job.signal(2, signal.SIGKILL)
-    job.workers[2].wait()
-    first_life = job.metrics(2)
-    job.start(2)
-    job.wait_done([0, 1, 2], limit_s=240)
-    same_params(job, [0, 1, 2])
-    for s in range(3):
-        check_tokens(job, s)   # worker 2: resumed at its last committed batch (20)
-    one_record(job, 2, first_life)
+    kill_and_restart(job, 2, limit_s=240)
     resumed = [r["resumed_batches"] for r in job.rows(2) if "resumed_batches" in r]
     assert resumed == [20], resumed
     assert any(r["healed"] for r in job.rounds(2)), "the restarted worker did not heal"
