@@ -508,9 +508,12 @@ class ReplicaComm(Comm):
     members change between rounds. ``rank`` and ``world`` are this worker's place in the current
     quorum (1 of 1 before the first). A collective that fails (a peer killed, or frozen past the
     manager's timeout) does not raise: the manager records the error and :meth:`commit` then
-    returns False on every participant, so nobody applies the round. Only what the outer rounds
-    use is offered: the all-reduce (DiLoCo, complete-graph GASLoC), the point-to-point exchange
-    (GASLoC's gossip) and the all-gather (SparseLoCo), each blocking; the rest raises."""
+    returns False on every participant, so nobody applies the round. Only what the rounds use
+    is offered: the all-reduce (DiLoCo, complete-graph GASLoC, data parallelism), the
+    point-to-point exchange (GASLoC's gossip) and the all-gather (SparseLoCo, SCAPE's masks);
+    the rest raises. Each completes inside its call: a round votes right after its exchanges,
+    so nothing may still be in flight then. An ``async_op`` request gets a completed handle
+    (SCAPE's step asks for its payload and its next mask asynchronously; here they block)."""
 
     def __init__(self, manager, pg, device: torch.device | str = "cpu"):
         self.manager, self.pg = manager, pg
@@ -518,6 +521,7 @@ class ReplicaComm(Comm):
         self.stats, self.sent_before = defaultdict(KindStats), 0
         self.enabled, self.backend = True, "torchft"
         self.quorum_started = False
+        self._place = (0, 1)     # (rank, world) in the last quorum: see :meth:`took_quorum`
         self.last_vote: bool | None = None
         self.last_error: Exception | None = None
         self.kill_at_vote: int | None = None    # fault injection (tests): see elastic/replica.py
@@ -527,19 +531,27 @@ class ReplicaComm(Comm):
         if self.freeze_at_exchange == self.manager.current_step():
             os.kill(os.getpid(), signal.SIGSTOP)
 
+    def took_quorum(self) -> None:
+        """This worker's place in the quorum just formed, read once from the manager: its
+        getters wait for the quorum, and a healing peer's state is taken inside the quorum
+        (where asking them again would wait on itself)."""
+        self.quorum_started = True
+        self._place = (self.manager.participating_rank() or 0,
+                       max(self.manager.num_participants(), 1))
+
     @property
     def rank(self) -> int:
-        return (self.manager.participating_rank() or 0) if self.quorum_started else 0
+        return self._place[0]
 
     @property
     def world(self) -> int:
-        return max(self.manager.num_participants(), 1) if self.quorum_started else 1
+        return self._place[1]
 
     def all_reduce(self, tensor: torch.Tensor, *, kind: str, average: bool = True,
                    op: str = "sum", async_op: bool = False) -> Handle:
-        if op != "sum" or async_op:
-            raise NotImplementedError("across replica groups only the blocking sum/mean "
-                                      f"all-reduce is offered, got op={op!r} async_op={async_op}")
+        if op != "sum":
+            raise NotImplementedError(f"across replica groups only the sum/mean all-reduce is "
+                                      f"offered, got op={op!r}")
         from torch.distributed import ReduceOp
 
         self._check(tensor)
@@ -557,8 +569,6 @@ class ReplicaComm(Comm):
         """The quorum's equal-sized shards into ``output`` in quorum order. A failed gather (or
         a round already failed) leaves ``output`` zeroed, not partly written: the caller may
         decode it before its vote, which then fails."""
-        if async_op:
-            raise NotImplementedError("across replica groups the all-gather is blocking")
         from torch.distributed.distributed_c10d import AllgatherOptions
 
         self._check(output, shard)
@@ -582,8 +592,6 @@ class ReplicaComm(Comm):
         return Handle(self, kind)
 
     def exchange(self, phases: list[Phase], *, kind: str, async_op: bool = False) -> Handle:
-        if async_op:
-            raise NotImplementedError("across replica groups the exchange is blocking")
         phases = self._checked(phases)
         if self.manager.errored() or not phases:
             return Handle(self, kind)

@@ -296,13 +296,10 @@ def config_problems(cfg: Config, world_size: int = 1) -> list[str]:
 
         components.append(lambda: validate_strategy(cfg.strategy, o, world_size))
     elif cfg.strategy.elastic.enabled:
-        from scape_train.optim.elastic_dense import DENSE
+        from scape_train.optim import validate_elastic_optimizer
         from scape_train.optim.local import validate_elastic
 
-        _check(o.name in DENSE,
-               f"strategy.elastic.enabled=true with strategy=data_parallel carries the dense "
-               f"optimizers {list(DENSE)}, not optimizer={o.name}: use one of them, or a "
-               "local-step strategy (strategy=diloco, gasloc or sparseloco)")
+        components.append(lambda: validate_elastic_optimizer(o))
         _check(t.nan_policy == "stop",
                "trainer.nan_policy=skip with elastic data parallelism: a worker that skipped "
                "would miss its step's all-reduce and fail the step for everyone; keep the "

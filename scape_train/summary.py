@@ -84,8 +84,10 @@ def _strategy_line(cfg: Any) -> str | None:
     if s.name == "data_parallel":
         if not s.elastic.enabled:
             return None
+        exchange = ("SCAPE's payload all-reduce and next-mask all-gather"
+                    if cfg.optimizer.name == "scape" else "the gradients' all-reduce")
         return (f"data_parallel across torchft replica groups, every step a round (a quorum, "
-                f"the gradients' all-reduce, a vote), optimizer {cfg.optimizer.name}; "
+                f"{exchange}, a vote), optimizer {cfg.optimizer.name}; "
                 + _elastic_part(s.elastic))
     h = f"H_i={list(s.inner_steps_per_worker)}" if s.inner_steps_per_worker else f"H={s.inner_steps}"
     rounds = max(1, cfg.trainer.max_steps // max(1, s.inner_steps // max(1, s.fragments)))

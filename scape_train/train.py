@@ -186,9 +186,11 @@ class Trainer:
             exchange_comm = self.replica.comm
             shard, shards = cfg.strategy.elastic.replica, cfg.strategy.elastic.slots
         if cfg.strategy.name == "data_parallel" and self.replica is not None:
-            from scape_train.optim.elastic_dense import ElasticDenseStrategy
+            from scape_train.optim import build_elastic_optimizer
 
-            self.strategy = ElasticDenseStrategy(cfg.optimizer, self.model, exchange_comm)
+            self.strategy = build_elastic_optimizer(cfg.optimizer, self.model, exchange_comm,
+                                                    worker=cfg.strategy.elastic.replica,
+                                                    total_steps=cfg.trainer.max_steps)
         elif cfg.strategy.name == "data_parallel":
             self.strategy = build_optimizer(cfg.optimizer, self.model, self.comm,
                                             total_steps=cfg.trainer.max_steps)

@@ -155,10 +155,14 @@ def test_elastic_config_is_checked_early():
         validate(compose_config([*base, "strategy.elastic.slots=2", "strategy.elastic.replica=0"]),
                  world_size=2)
     validate(compose_config([*base, "strategy.elastic.slots=2", "strategy.elastic.replica=1"]))
-    # data parallelism across replica groups: dense optimizers, and no step skipped alone
+    # data parallelism across replica groups: the dense optimizers and replicated fp32 SCAPE,
+    # and no step skipped alone
     dp = ["strategy.elastic.enabled=true", "strategy.elastic.slots=2", "strategy.elastic.replica=1"]
-    with pytest.raises(ConfigError, match="carries the dense optimizers"):
-        validate(compose_config([*dp, "optimizer=scape"]))
+    with pytest.raises(ConfigError, match="not optimizer=topk_adamw"):
+        validate(compose_config([*dp, "optimizer=topk_adamw"]))
+    with pytest.raises(ConfigError, match="sharded=true is not offered"):
+        validate(compose_config([*dp, "optimizer=scape", "optimizer.sharded=true"]))
+    validate(compose_config([*dp, "optimizer=scape"]))
     with pytest.raises(ConfigError, match="nan_policy=skip"):
         validate(compose_config([*dp, "optimizer=adamw", "trainer.nan_policy=skip"]))
     with pytest.raises(ConfigError, match="one process"):
@@ -187,16 +191,23 @@ def test_worker_killed_at_an_inner_step(job_factory, fault_free):
         close_loss(job, s, fault_free.val_loss(0))
 
 
+# SCAPE across replica groups at 90% sparsity from its first step (no warm-up): the masks, the
+# residuals and the owners' all-gather are in play in every round
+SCAPE_DP = ("optimizer=scape", "optimizer.density=0.1", "optimizer.density_warmup_steps=0")
+
+
 @pytest.mark.slow
-def test_data_parallel_step_fails_on_a_frozen_worker_then_a_joiner_heals(job_factory):
-    """Dense data parallelism across replica groups, every step a round, under a lighthouse that
-    needs 3 workers. Worker 2 stops itself as its all-reduce of step 11 starts
+@pytest.mark.parametrize("optimizer", [("optimizer=adamw",), SCAPE_DP], ids=["adamw", "scape"])
+def test_data_parallel_step_fails_on_a_frozen_worker_then_a_joiner_heals(job_factory, optimizer):
+    """Data parallelism across replica groups, every step a round, under a lighthouse that
+    needs 3 workers. Worker 2 stops itself as its first collective of step 11 starts
     (``SCAPE_FAULT_FREEZE_AT_EXCHANGE``): the others' step fails at the timeout and nobody
     applies it; they wait for a third worker. A fourth joins, heals (the model and the optimizer
-    state from a live peer), and the three end on the same parameters, bit for bit. (Steps of
-    this job take ~15 ms, so under ``min_replicas=1`` the two would finish before a joiner's
-    imports do: they go on as two as the local-step rows show.)"""
-    job = job_factory("trainer.max_steps=60", "optimizer=adamw", strategy="data_parallel",
+    state from a live peer; SCAPE: momentum and masks, its residual at zero), and the three end
+    on the same parameters, bit for bit. (Steps of this job take ~15 ms, so under
+    ``min_replicas=1`` the two would finish before a joiner's imports do: they go on as two as
+    the local-step rows show.)"""
+    job = job_factory("trainer.max_steps=60", *optimizer, strategy="data_parallel",
                       env={2: {"SCAPE_FAULT_FREEZE_AT_EXCHANGE": "10"}}, min_replicas=3)
     job.wait_until(lambda: any(not r["committed"] for r in job.rounds(0)), "a failed step")
     job.signal(2, signal.SIGKILL)
@@ -300,6 +311,25 @@ def test_data_parallel_worker_killed_restarts_resumes_its_shard_and_heals(job_fa
     kill_and_restart(job, 2, limit_s=240)
     resumed = [r["resumed_batches"] for r in job.rows(2) if "resumed_batches" in r]
     assert resumed == [20], resumed
+    assert any(r["healed"] for r in job.rounds(2)), "the restarted worker did not heal"
+
+
+@pytest.mark.slow
+def test_scape_data_parallel_quorum_shrinks_then_grows_back(job_factory):
+    """SCAPE across replica groups whose quorum changes size: worker 2 is killed as its first
+    collective of step 21 starts, the other two fail that step and go on as two (the owners of
+    the next mask re-partitioned over 2), and worker 2, restarted with ``resume=auto``, heals
+    and joins them (over 3 again). The flat partitioner cuts tensors between owners, so a mask
+    built over 3 has other counts per segment over 2 (read from the mask, not the schedule).
+    The three end on the same parameters, bit for bit: every worker took the same masks
+    whatever the owners were."""
+    job = job_factory("trainer.max_steps=240", *SLOW, *SCAPE_DP, "optimizer.partitioner=flat",
+                      strategy="data_parallel",
+                      env={2: {"SCAPE_FAULT_FREEZE_AT_EXCHANGE": "20"}}, min_replicas=2)
+    job.wait_until(lambda: any(not r["committed"] for r in job.rounds(0)), "a failed step")
+    kill_and_restart(job, 2, limit_s=300)
+    sizes = [len(r["quorum"]) for r in job.rounds(0) if r["committed"]]
+    assert 2 in sizes and sizes[-1] == 3, sizes
     assert any(r["healed"] for r in job.rounds(2)), "the restarted worker did not heal"
 
 

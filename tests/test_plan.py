@@ -31,7 +31,7 @@ from scape_train.plan.devices import GiB, resolve_device
 from scape_train.plan.estimate import plan_memory
 from scape_train.plan.optimizer_memory import optimizer_memory
 from scape_train.plan.tracker import LiveBytes
-from scape_train.profiling import held_tensors
+from scape_train.profiling import held_tensors, storage_bytes
 from tests.helpers import CONFIG_DIR, SMALL, compose_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +116,10 @@ STEP_CASES = {
     "adamw_elastic": ["optimizer=adamw", "strategy.elastic.enabled=true",
                       "strategy.elastic.replica=0", "strategy.elastic.slots=1"],
     "scape": ["optimizer=scape", "optimizer.density=0.05", "optimizer.density_warmup_steps=0"],
+    # elastic: θ, the gradients, m and e copied aside until each step's vote
+    "scape_elastic": ["optimizer=scape", "optimizer.density=0.05",
+                      "optimizer.density_warmup_steps=0", "strategy.elastic.enabled=true",
+                      "strategy.elastic.replica=0", "strategy.elastic.slots=1"],
     "scape_sharded": ["optimizer=scape", "optimizer.sharded=true", "optimizer.density=0.05",
                       "optimizer.density_warmup_steps=0"],
     "scape_sharded_dense": ["optimizer=scape", "optimizer.sharded=true", "optimizer.density=1.0",
@@ -155,9 +159,9 @@ def test_step_replay_matches_the_bytes_a_real_step_allocates(case, monkeypatch):
     if cfg.strategy.name != "data_parallel":
         strategy = build_local_strategy(cfg.strategy, cfg.optimizer, model, Comm())
     elif cfg.strategy.elastic.enabled:   # as the trainer builds it (the exchange on one process)
-        from scape_train.optim.elastic_dense import ElasticDenseStrategy
+        from scape_train.optim import build_elastic_optimizer
 
-        strategy = ElasticDenseStrategy(cfg.optimizer, model, Comm())
+        strategy = build_elastic_optimizer(cfg.optimizer, model, Comm(), worker=0)
     else:
         strategy = build_optimizer(cfg.optimizer, model)
     # the first step allocates lazy state (AdamW): steady from step 2
@@ -166,8 +170,7 @@ def test_step_replay_matches_the_bytes_a_real_step_allocates(case, monkeypatch):
     steady = max(peaks[2:])    # steps 3 and 4: both fragments' rounds where there are two
     assert steady == pytest.approx(replay.step, rel=0.02), (peaks, replay.step, replay.step_where)
     state = sum(b for _, b in replay.state)
-    held = sum(t.untyped_storage().nbytes() for t in {id(t.untyped_storage()): t for t in
-               _real_tensors(strategy, model)}.values())
+    held = storage_bytes(_real_tensors(strategy, model))   # a storage once, however many views
     params = sum(p.numel() * 4 for p in model.parameters())
     # SCAPE's flat gradient buffer is the plan's gradient row, not optimizer state
     buf = getattr(strategy, "grad_buffer", None)

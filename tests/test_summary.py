@@ -137,6 +137,9 @@ def test_elastic_strategy_lines_name_the_lighthouse_and_the_round():
     dp = _strategy_line(compose_config(["optimizer=adamw", *elastic]))
     assert dp.startswith("data_parallel across torchft replica groups, every step a round")
     assert "optimizer adamw" in dp and "replica 1 of 3 slots, lighthouse http://lh:29510" in dp
+    assert "the gradients' all-reduce" in dp
+    scape = _strategy_line(compose_config(["optimizer=scape", *elastic]))
+    assert "SCAPE's payload all-reduce and next-mask all-gather" in scape
     local = _strategy_line(compose_config(["strategy=diloco", "optimizer=adamw", *elastic]))
     assert local.startswith("diloco, H=") and "replica 1 of 3 slots" in local
     assert _strategy_line(compose_config(["optimizer=adamw"])) is None

@@ -152,8 +152,8 @@ class ReplicaGroup:
         self._healed_now = False
         if not self.comm.quorum_started:
             self._write({"slot": self.slot, "first_quorum_request": True})
-        self.comm.quorum_started = True
         self.manager.start_quorum()
+        self.comm.took_quorum()
         self.quorum_s += time.perf_counter() - start
         t = self.manager.current_step()
         now = list(self.pg.members) or [self.slot]

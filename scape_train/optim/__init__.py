@@ -114,4 +114,33 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module, comm: Comm | None = 
     return OPTIMIZERS[cfg.name](cfg, model, comm if comm is not None else Comm(), total_steps)
 
 
-__all__ = ["OPTIMIZERS", "OptimizerConfig", "OptimizerStrategy", "build_optimizer", "validate"]
+ELASTIC = ("adamw", "adams", "scape")   # what data parallelism across replica groups carries
+
+
+def validate_elastic_optimizer(cfg: OptimizerConfig) -> None:
+    """The optimizer of ``strategy=data_parallel strategy.elastic.enabled=true``."""
+    if cfg.name not in ELASTIC:
+        raise ValueError(f"strategy.elastic.enabled=true with strategy=data_parallel carries the "
+                         f"optimizers {list(ELASTIC)}, not optimizer={cfg.name}: use one of them, "
+                         "or a local-step strategy (strategy=diloco, gasloc or sparseloco)")
+    if cfg.name == "scape":
+        from .scape.elastic import validate_elastic_scape
+        validate_elastic_scape(cfg)
+
+
+def build_elastic_optimizer(cfg: OptimizerConfig, model: nn.Module, comm: Comm, worker: int,
+                            total_steps: int = 0) -> OptimizerStrategy:
+    """Data parallelism across torchft replica groups (``comm``: the worker's ``ReplicaComm``;
+    ``worker``: its slot), every step a round: the dense optimizers
+    (``optim/elastic_dense.py``) or SCAPE (``optim/scape/elastic.py``)."""
+    validate(cfg)
+    validate_elastic_optimizer(cfg)
+    if cfg.name == "scape":
+        from .scape.elastic import ElasticScapeStrategy
+        return ElasticScapeStrategy(cfg, model, comm, worker, total_steps=total_steps)
+    from .elastic_dense import ElasticDenseStrategy
+    return ElasticDenseStrategy(cfg, model, comm)
+
+
+__all__ = ["ELASTIC", "OPTIMIZERS", "OptimizerConfig", "OptimizerStrategy",
+           "build_elastic_optimizer", "build_optimizer", "validate", "validate_elastic_optimizer"]

@@ -186,6 +186,10 @@ def _scape(cfg: Config, model: nn.Module, world: int, on_gpu: bool) -> Optimizer
     ref = trace_step(cfg, cfg.model, _plan_vocab(cfg), world, d, on_gpu, engine="reference")
     mem.step, mem.step_where = ref.step, f"reference step at density {d:.3g}: {ref.where}"
     _fused_path(cfg, model, world, on_gpu, mem, n)
+    if cfg.strategy.elastic.enabled:    # optim/scape/elastic.py: kept until the step's vote
+        as_params = sum(p.numel() * p.element_size() for p in lay.params)
+        mem.state.append(("elastic rollback copy (θ, gradients, m, e)",
+                          2 * as_params + 2 * F32 * n))
 
     ck = Replay()                       # state_dict(), in its order (scape/strategy.py)
     if o.sharded:

@@ -134,6 +134,10 @@ class _FusedEngine:
         takes the general branch, which reads m and e everywhere."""
         self._pidx = None
 
+    def drop_plans(self) -> None:
+        """The index plans were made for another partition (``ScapeStrategy.repartition``)."""
+        self._plans.clear()
+
     def finish_residual(self, mask: Mask) -> None:
         """The reference's separate fold (first step): here update() and finish_step() fold."""
 

@@ -107,8 +107,28 @@ class ScapeStrategy(OptimizerStrategy):
         if self.comm.backend == "nccl" and dev.type != "cuda":
             raise ValueError("the nccl backend needs CUDA parameters; move the model to the GPU "
                              "before building the optimizer, or use gloo on CPU")
-        if self.comm.backend not in ("none", "gloo", "nccl"):
+        if self.comm.backend not in ("none", "gloo", "nccl", "torchft"):
             raise ValueError(f"SCAPE is tested on gloo and nccl, not {self.comm.backend!r}")
+
+    def repartition(self, world: int) -> None:
+        """Owners for a world of ``world`` ranks (elastic runs: the quorum's size, which changes
+        between steps; ``optim/scape/elastic.py``): the partition, the mask exchange and the
+        engines' view of it. The next mask, built under the old owners, keeps its ones; its
+        count per new segment is read from the device once (``measured_counts``)."""
+        self.part = build_partition(self.layout, world, self.cfg.partitioner)
+        self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.passes,
+                                     layout=self.layout, coding=self.cfg.mask_coding)
+        for engine in (self.reference, self.fused):
+            if engine is not None:
+                engine.part = self.part
+        if self.fused is not None:
+            self.fused.forget_support()
+            self.fused.drop_plans()
+        self._counts.clear()
+        self._segments.clear()
+        nxt = self._next()
+        self._loaded_counts = None if nxt is None else measured_counts(nxt.dense(keep=False),
+                                                                        self.part)
 
     # -- the trainer's hooks -------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -338,7 +358,7 @@ class ScapeStrategy(OptimizerStrategy):
     def _header(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "mode": self.reference.mode, "step": self.steps_done,
                 "rank": self.comm.rank, "world": self.comm.world,
-                "partitioner": self.cfg.partitioner}
+                "partitioner": self.cfg.partitioner, "partition_world": self.part.world}
 
     def state_dict(self) -> dict[str, Any]:
         full = self.reference.full_state()
@@ -401,6 +421,12 @@ class ScapeStrategy(OptimizerStrategy):
     def load_checkpoint_state(self, parts: StateParts, shards: ShardSource | None = None) -> None:
         self._load({**parts.replicated, **parts.per_rank}, shards)
 
+    def load_peer_state(self, parts: StateParts, residual: str) -> None:
+        """Elastic runs (``optim/scape/elastic.py``): the momentum, masks and step of ``parts``
+        whatever rank and world wrote them, and the residual as ``residual`` says: ``state``
+        (this worker's own checkpoint) or ``zero`` (another worker's state)."""
+        self._load({**parts.replicated, **parts.per_rank}, None, residual=residual)
+
     def _range_of(self, state: dict[str, Any], shards: ShardSource | None, key: str, what: str,
                   lo: int, hi: int) -> torch.Tensor | None:
         """``key`` over the flat range ``[lo, hi)`` on the device: from the per-parameter
@@ -412,7 +438,10 @@ class ScapeStrategy(OptimizerStrategy):
         t = shards.read(key, lo, hi, self.layout.total)
         return None if t is None else t.to(device=self.layout.device, dtype=torch.float32)
 
-    def _load(self, state: dict[str, Any], shards: ShardSource | None) -> None:
+    def _load(self, state: dict[str, Any], shards: ShardSource | None,
+              residual: str = "rank") -> None:
+        """``residual``: ``rank`` takes the state's residual where this rank of this world wrote
+        it, else zero (with a warning); ``state`` takes it; ``zero`` resets it."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported SCAPE state version {state.get('version')!r}")
         lo, hi = self.reference.state_range    # all of it (replicated) or the owned range (sharded)
@@ -420,14 +449,14 @@ class ScapeStrategy(OptimizerStrategy):
         if momentum is None:
             raise KeyError("SCAPE checkpoint holds no momentum (neither per parameter nor sharded)")
         shared = self._range_of(state, shards, "shared_residual", "shared residual", lo, hi)
-        residual = None
-        if state["world"] == self.comm.world and state["rank"] == self.comm.rank:
-            residual = self._join(state["residual"], "residual")
-        else:
+        own = residual == "state" or (residual == "rank" and state["world"] == self.comm.world
+                                       and state["rank"] == self.comm.rank)
+        if not own and residual == "rank":
             warnings.warn(f"SCAPE checkpoint was written by rank {state['rank']} of "
                           f"{state['world']}; this is rank {self.comm.rank} of {self.comm.world}: "
                           "per-rank residuals are reset to zero (momentum and masks are kept)")
-        self.reference.load_range_state(momentum, shared, residual)
+        self.reference.load_range_state(momentum, shared,
+                                        self._join(state["residual"], "residual") if own else None)
         if self.fused is not None:
             self.fused.forget_support()
         self._load_wire_state(state, shards, lo, hi)
@@ -436,6 +465,6 @@ class ScapeStrategy(OptimizerStrategy):
         self.set_masks(self._join_mask(state.get("mask_cur")), nxt)
         # A mask built under another partition (world size, partitioner) has other per-segment
         # counts than the schedule gives here: read them once, now, not in the step.
-        same = state["world"] == self.comm.world and state.get("partitioner",
-                                                                 self.cfg.partitioner) == self.cfg.partitioner
+        same = (state.get("partition_world", state["world"]) == self.part.world
+                and state.get("partitioner", self.cfg.partitioner) == self.cfg.partitioner)
         self._loaded_counts = None if nxt is None or same else measured_counts(nxt, self.part)
