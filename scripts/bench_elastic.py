@@ -2,17 +2,21 @@
 a lighthouse, one replica group per worker, a quorum and a vote per round) against plain DiLoCo
 (one gloo group), side by side, alternated; or, with ``--strategy data_parallel``, a step of
 elastic data parallelism (dense AdamW, every step a round: a quorum, the gradients' all-reduce
-through torchft, a vote, the data cursor kept) against DDP on one gloo group.
+through torchft, a vote, the data cursor kept) against DDP on one gloo group; with
+``--optimizer scape`` too, elastic SCAPE (the payload's all-reduce and the next mask's all-gather
+through torchft, blocking; the rollback copy; the vote) against SCAPE on one gloo group, both at
+density 0.1 from the first step.
 
     python scripts/bench_elastic.py [--rounds 4] [--repeats 4] [--workers 3] [--inner-steps 30]
-    python scripts/bench_elastic.py --strategy data_parallel [--rounds 60]
+    python scripts/bench_elastic.py --strategy data_parallel [--optimizer scape] [--rounds 60]
 
 Each run is ``--workers`` processes of ``python -m scape_train`` (llama_tiny, one thread each) on
 this machine. A round's time is ``H`` times the mean logged ``step_time_s`` of every step after
 the first round (start-up and the first quorum excluded; data parallelism: a round is a step, and
 the first 10 are excluded), averaged over the workers. Prints both, their ratio per repeat, and
-the machine's load; writes ``docs/figures/bench_elastic.json`` and the ``bench_elastic`` section
-of ``docs/reliability.md`` (data parallelism: ``bench_elastic_dp``).
+the machine's load; writes ``docs/figures/<section>.json`` and that section of
+``docs/reliability.md``: ``bench_elastic``, ``bench_elastic_dp`` (data parallelism) or
+``bench_elastic_scape`` (with SCAPE).
 """
 
 from __future__ import annotations
@@ -34,10 +38,13 @@ JOB = ["model=llama_tiny", "data.seq_len=128", "trainer.micro_batch_size=4", "tr
        "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.num_threads=1",
        "trainer.sample_tokens=0", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
 DP_SKIP = 10     # data parallelism: the steps left out of the mean (start-up, the first quorums)
+SCAPE = ["optimizer=scape", "optimizer.density=0.1", "optimizer.density_warmup_steps=0"]
 
 
-def section(strategy: str) -> str:
-    return "bench_elastic_dp" if strategy == "data_parallel" else "bench_elastic"
+def section(strategy: str, optimizer: str = "adamw") -> str:
+    if strategy != "data_parallel":
+        return "bench_elastic"
+    return "bench_elastic_scape" if optimizer == "scape" else "bench_elastic_dp"
 
 
 def free_port() -> int:
@@ -64,7 +71,8 @@ def run(kind: str, root: Path, args) -> float:
     h, skip = (1, DP_SKIP) if dp else (args.inner_steps, args.inner_steps)
     steps = args.rounds * h
     job = [*JOB, f"trainer.max_steps={steps}", f"trainer.warmup_steps={min(40, steps // 4)}",
-           *(["strategy=data_parallel", "optimizer=adamw"] if dp else
+           *((["strategy=data_parallel"] + (SCAPE if args.optimizer == "scape"
+                                            else ["optimizer=adamw"])) if dp else
              ["strategy=diloco", f"strategy.inner_steps={args.inner_steps}"])]
     procs, lighthouse, port = [], None, free_port()
     logs = open(root / f"{kind}.log", "ab")
@@ -114,10 +122,14 @@ def table(r: dict) -> str:
     """The section of docs/reliability.md, from bench_elastic.json."""
     a = r["args"]
     if a.get("strategy", "diloco") == "data_parallel":
-        what = (f"llama_tiny (seq 128, micro-batch 4), dense AdamW, {a['workers']} workers of one "
-                f"process and one thread each on this 2-core machine, {a['rounds']} steps (the "
-                f"first {DP_SKIP} excluded)")
-        names, unit = ("DDP", "elastic data parallel"), "s/step"
+        scape = a.get("optimizer", "adamw") == "scape"
+        what = (f"llama_tiny (seq 128, micro-batch 4), "
+                f"{'SCAPE at density 0.1 from the first step' if scape else 'dense AdamW'}, "
+                f"{a['workers']} workers of one process and one thread each on this 2-core "
+                f"machine, {a['rounds']} steps (the first {DP_SKIP} excluded)")
+        names = ("SCAPE, one gloo group", "elastic SCAPE") if scape else \
+            ("DDP", "elastic data parallel")
+        unit = "s/step"
     else:
         what = (f"llama_tiny, DiLoCo H = {a['inner_steps']}, {a['workers']} workers of one "
                 f"process and one thread each on this 2-core machine, {a['rounds']} rounds (the "
@@ -139,6 +151,8 @@ def table(r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--strategy", choices=["diloco", "data_parallel"], default="diloco")
+    ap.add_argument("--optimizer", choices=["adamw", "scape"], default="adamw",
+                    help="data parallelism's optimizer")
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds (data parallelism: steps); default 4 (60)")
     ap.add_argument("--repeats", type=int, default=4)
@@ -146,6 +160,8 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=30)
     ap.add_argument("--docs", default=str(REPO / "docs"), help="where the JSON and page go")
     args = ap.parse_args()
+    if args.optimizer != "adamw" and args.strategy != "data_parallel":
+        ap.error("--optimizer applies to --strategy data_parallel")
     if args.rounds is None:
         args.rounds = 60 if args.strategy == "data_parallel" else 4
     load_before = os.getloadavg()
@@ -169,10 +185,11 @@ def main() -> None:
     print(f"load after: {os.getloadavg()}")
     figures = Path(args.docs) / "figures"
     figures.mkdir(parents=True, exist_ok=True)
-    (figures / f"{section(args.strategy)}.json").write_text(json.dumps(out, indent=1))
+    name = section(args.strategy, args.optimizer)
+    (figures / f"{name}.json").write_text(json.dumps(out, indent=1))
     print(table(out))
     import doc_sections
-    doc_sections.update(section(args.strategy), figures=figures)
+    doc_sections.update(name, figures=figures)
 
 
 if __name__ == "__main__":
