@@ -22,7 +22,7 @@ from ._scape_checks import (assert_states_equal, check_invariants, elementwise, 
 pytestmark = pytest.mark.dist
 
 CODINGS = ["bitmap", "indices", "elias_fano", "auto"]
-LOWP = ["bf16", "fp8_e4m3", "fp8_e5m2"]
+LOWP = ["bf16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"]
 U = 2.0 ** -24      # fp32 unit roundoff
 
 
@@ -143,7 +143,8 @@ def test_low_precision_payload_conserves_mass():
             assert torch.all(r0["m"][~mask] == 0)
             decayed = r0["before"] * (1.0 - 1e-2 * info["wd"])
             assert torch.equal(r0["after"][~mask], decayed[~mask])
-            rtol = {"bf16": 2 ** -7, "fp8_e4m3": 2 ** -2, "fp8_e5m2": 2 ** -1}[dtype]
+            rtol = {"bf16": 2 ** -7, "fp8_e4m3": 2 ** -2, "fp8_e5m2": 2 ** -1,
+                    "fp4_e2m1": 2 ** -1}[dtype]
             mean_c = c.mean(0)
             assert torch.all((b - mean_c).abs() <= rtol * mean_c.abs().max())
         # sharded: Σ_r x^(r) = n·S + Σ_r ε^(r) on the mask; the owners' updates conserved exactly

@@ -26,7 +26,7 @@ from scape_train.profiling import DeviceOpCounter
 from ._optim_common import flat_params, make, tiny_model, train_step
 
 CODINGS = ["bitmap", "indices", "elias_fano", "auto"]
-LOWP = ["bf16", "fp8_e4m3", "fp8_e5m2"]
+LOWP = ["bf16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"]
 TORCH = TorchPasses()
 
 
@@ -220,11 +220,12 @@ def test_payload_round_trip_and_exact_error(name, n):
         if name == "bf16":
             torch.testing.assert_close(d, x, rtol=2 ** -8, atol=0)
         else:   # relative to the block maximum: the element's rounding step
-            mant = 3 if name == "fp8_e4m3" else 2
+            # mantissa bits, and how far below the block maximum the type's normals reach
+            mant, reach = {"fp8_e4m3": (3, -14), "fp8_e5m2": (2, -28), "fp4_e2m1": (1, -2)}[name]
             pad = -(-n // SCALE_BLOCK) * SCALE_BLOCK
             amax = torch.nn.functional.pad(x.abs(), (0, pad - n)).view(rows, -1, SCALE_BLOCK) \
                 .amax(2).repeat_interleave(SCALE_BLOCK, 1)[:, :n]
-            normal = x.abs() >= amax * 2.0 ** (-14 if mant == 3 else -28)
+            normal = x.abs() >= amax * 2.0 ** reach
             assert torch.all((err.abs() <= x.abs() * 2.0 ** -mant)[normal])
 
 
@@ -269,6 +270,18 @@ def test_fp8_scales_are_powers_of_two_and_never_overflow():
         q = wire[0, :x.shape[1]].view(codec_dtype(name)).float()
         assert q.abs().max() < top and torch.isfinite(d).all()
         assert torch.equal(d[0, 128:], torch.tensor([2.0 ** 100] * 2))
+
+
+def test_fp4_packs_two_e2m1_codes_a_byte_rounding_to_the_nearest():
+    """fp4_e2m1: ceil(n/2) bytes and one scale; with a block maximum of 3.5 the scale is 2^0, so
+    the decoded values are the E2M1 grid's nearest (a tie to the smaller), signs and -0 kept."""
+    codec = PayloadCodec("fp4_e2m1")
+    x = torch.tensor([[3.5, -0.3, 0.25, 0.75, 1.3, -2.6, -0.0, 0.1, 1.75]])
+    wire, d = codec.round_trip(x)
+    assert wire.shape == (1, 5 + 1) and wire[0, 5].view(torch.int8) == 0
+    assert d.tolist() == [[3.0, -0.5, 0.0, 0.5, 1.5, -3.0, -0.0, 0.0, 1.5]]
+    assert d[0, 6].signbit() and not d[0, 7].signbit()
+    assert wire[0, 0] == (5 | (8 | 1) << 4)              # 3.0 is code 5, -0.5 is 8 | 1
 
 
 def codec_dtype(name):

@@ -33,7 +33,7 @@ class OptimizerConfig:
     use_triton: str = "auto"          # auto | on | off
     mask_coding: str = "auto"         # auto (smallest per segment) | bitmap | indices | elias_fano
     scape_impl: str = "fused"          # scape: fused (O(k) local step) | reference (spec line by line)
-    payload_dtype: str = "fp32"       # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 (error feedback)
+    payload_dtype: str = "fp32"       # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | fp4_e2m1 (error feedback)
     flat_grads: bool = True           # p.grad are views of one flat buffer (scape) or of DDP's buckets (dense, world > 1); off: autograd's
     # PowerSGD baseline
     powersgd_rank: int = 4            # PowerSGD baseline: rank of the low-rank approximation

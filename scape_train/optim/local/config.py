@@ -50,7 +50,7 @@ class StrategyConfig:
     sparse_chunk: int = 4096          # sparseloco: values per chunk of the flat parameters (<= 32768)
     sparse_topk: int = 64             # sparseloco: values sent per chunk (64 / 4096 = 1.6%)
     sparse_error_decay: float = 0.95  # sparseloco: beta of e <- beta * e + drift, each round
-    sparse_payload_dtype: str = "fp32"    # sparseloco: fp32 | bf16 | fp8_e4m3 | fp8_e5m2 values
+    sparse_payload_dtype: str = "fp32"    # sparseloco: fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | fp4_e2m1
     # Streaming DiLoCo: each fragment synchronized every H steps, one of them every H/F steps
     # (strided over the blocks), so a round moves 1/F of the model
     fragments: int = 1                # diloco: Streaming DiLoCo's fragments F (1: plain DiLoCo)

@@ -1,19 +1,24 @@
 """SCAPE's payload on the wire: fp32 (the default), or low precision with error feedback.
 
-``optimizer.payload_dtype``: ``fp32`` | ``bf16`` | ``fp8_e4m3`` | ``fp8_e5m2``.
+``optimizer.payload_dtype``: ``fp32`` | ``bf16`` | ``fp8_e4m3`` | ``fp8_e5m2`` | ``fp4_e2m1``.
 
 Wire format of ``n`` values (:class:`PayloadCodec`; every buffer on the wire is uint8 bytes)::
 
     bf16        n·2 bytes (round to nearest even), no scale
     fp8_*       n bytes, then ceil(n / SCALE_BLOCK) one-byte scale exponents e_b (int8), one per
                 block of SCALE_BLOCK consecutive values: value = fp8 · 2^e_b
+    fp4_e2m1    ceil(n / 2) bytes (value 2i in the low 4 bits of byte i, 2i+1 in the high 4),
+                then the scales as fp8's: value = fp4 · 2^e_b. A code is a sign bit and 3 bits
+                of magnitude, one of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (OCP MX's E2M1), rounded to
+                the nearest (a tie to the smaller)
 
 Scales are powers of two, chosen from the block's absolute maximum ``a = m·2^x`` (``frexp``,
 ``m ∈ [0.5, 1)``) as ``e = x - E`` with ``E = 8`` (e4m3, largest finite 448) or ``15`` (e5m2,
-57344), so every scaled value is below ``2^E`` and never overflows; ``e`` is clamped to
-``[-110, 120]`` so that ``2^e`` is a normal fp32 number (a value within a rounding of fp32's
-largest, ~3.4e38, can round up to ``2^E`` in the 8-bit type and decode to inf). With a
-power-of-two scale the scaling is exact both ways and the only rounding is the cast to the 8-bit
+57344) or ``2`` (e2m1, largest 6), so every scaled value is below ``2^E`` and never overflows;
+``e`` is clamped to ``[-110, 120]`` (e2m1: ``125``) so that ``2^e`` is a normal fp32 number and
+nothing decodes to inf (a value within a rounding of fp32's largest, ~3.4e38, can round up to
+``2^E``; e2m1 then saturates at 6, which is still within a factor 2 of it). With a power-of-two
+scale the scaling is exact both ways and the only rounding is the cast to the low-precision
 type; the rounded value ``d`` of ``x`` lies in ``[x/2, 2x]`` (or is 0), so by Sterbenz's lemma
 ``x - d`` is exact in fp32: a rank's quantization error, fed back into its residual, loses
 nothing (``x = d + (x - d)`` bit for bit).
@@ -47,13 +52,18 @@ import torch
 
 from scape_train.comm import Comm
 
-PAYLOAD_DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2")
-SCALE_BLOCK = 128      # fp8: one power-of-two scale per this many consecutive values
+PAYLOAD_DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+SCALE_BLOCK = 128      # fp8, fp4: one power-of-two scale per this many consecutive values
 
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
                 "fp8_e5m2": torch.float8_e5m2}
-_EXP_HEADROOM = {"fp8_e4m3": 8, "fp8_e5m2": 15}   # scaled |value| < 2^E <= the type's max
-_E_MIN, _E_MAX = -110, 120
+# scaled |value| < 2^E <= the type's max
+_EXP_HEADROOM = {"fp8_e4m3": 8, "fp8_e5m2": 15, "fp4_e2m1": 2}
+_E_MIN = -110
+_E_MAX = {"fp8_e4m3": 120, "fp8_e5m2": 120, "fp4_e2m1": 125}
+# e2m1: the magnitudes of codes 0-7, and the midpoints between them (a tie rounds down)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
@@ -69,15 +79,16 @@ class PayloadCodec:
             raise ValueError(f"payload_dtype must be one of {PAYLOAD_DTYPES}, got {name!r}")
         self.name = name
         self.lowp = name != "fp32"
-        self.scaled = name.startswith("fp8")
-        self.itemsize = {"fp32": 4, "bf16": 2}.get(name, 1)
+        self.scaled = name.startswith(("fp8", "fp4"))
+        self.fp4 = name == "fp4_e2m1"
+        self.itemsize = {"fp32": 4, "bf16": 2}.get(name, 1)   # fp4: half a byte, see nbytes
 
     def nblocks(self, n: int) -> int:
         return -(-n // SCALE_BLOCK) if self.scaled else 0
 
     def nbytes(self, n: int) -> int:
         """Wire bytes of ``n`` values."""
-        return n * self.itemsize + self.nblocks(n)
+        return (-(-n // 2) if self.fp4 else n * self.itemsize) + self.nblocks(n)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: fp32 ``[rows, n]`` -> uint8 ``[rows, nbytes(n)]``."""
@@ -92,11 +103,16 @@ class PayloadCodec:
         blocks = padded.view(rows, nb, SCALE_BLOCK)
         amax = blocks.abs().amax(dim=2)
         _, ex = torch.frexp(amax)              # amax < 2^ex (frexp(0) gives 0)
-        e = (ex - _EXP_HEADROOM[self.name]).clamp_(_E_MIN, _E_MAX)
-        q = (blocks * _pow2(-e).unsqueeze(2)).to(_TORCH_DTYPE[self.name])
+        e = (ex - _EXP_HEADROOM[self.name]).clamp_(_E_MIN, _E_MAX[self.name])
+        scaled = blocks * _pow2(-e).unsqueeze(2)
         out = torch.empty(rows, self.nbytes(n), dtype=torch.uint8, device=x.device)
-        out[:, :n] = q.view(torch.uint8).reshape(rows, -1)[:, :n]
-        out[:, n:] = e.to(torch.int8).view(torch.uint8)
+        values = self.nbytes(n) - nb
+        if self.fp4:
+            out[:, :values] = _fp4_pack(scaled.reshape(rows, -1)[:, :n])
+        else:
+            q = scaled.to(_TORCH_DTYPE[self.name])
+            out[:, :values] = q.view(torch.uint8).reshape(rows, -1)[:, :n]
+        out[:, values:] = e.to(torch.int8).view(torch.uint8)
         return out
 
     def decode(self, b: torch.Tensor, n: int) -> torch.Tensor:
@@ -104,12 +120,13 @@ class PayloadCodec:
         rows = b.shape[0]
         if not self.lowp:
             return b.contiguous().view(torch.float32).reshape(rows, n).clone()
-        dt = _TORCH_DTYPE[self.name]
         if not self.scaled:
-            return b.contiguous().view(dt).reshape(rows, n).float()
+            return b.contiguous().view(_TORCH_DTYPE[self.name]).reshape(rows, n).float()
         nb = self.nblocks(n)
-        vals = b[:, :n].contiguous().view(dt).float()
-        e = b[:, n:].contiguous().view(torch.int8).to(torch.int32)
+        values = self.nbytes(n) - nb
+        vals = (_fp4_unpack(b[:, :values], n) if self.fp4
+                else b[:, :n].contiguous().view(_TORCH_DTYPE[self.name]).float())
+        e = b[:, values:].contiguous().view(torch.int8).to(torch.int32)
         scale = _pow2(e).unsqueeze(2).expand(rows, nb, SCALE_BLOCK).reshape(rows, -1)
         return vals.mul_(scale[:, :n])
 
@@ -117,6 +134,26 @@ class PayloadCodec:
         """(wire bytes, the values every receiver decodes) of fp32 rows ``x``."""
         b = self.encode(x)
         return b, self.decode(b, x.shape[1])
+
+
+def _fp4_pack(scaled: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[rows, n]`` (scaled: |value| < 8) -> uint8 ``[rows, ceil(n/2)]`` of e2m1 codes, two
+    a byte; magnitudes of 5 and above saturate at 6."""
+    rows, n = scaled.shape
+    mids = torch.tensor(_FP4_MIDPOINTS, dtype=scaled.dtype, device=scaled.device)
+    code = torch.bucketize(scaled.abs(), mids).to(torch.uint8)
+    code |= scaled.signbit().to(torch.uint8) << 3        # -0 keeps its sign
+    pairs = scaled.new_zeros(rows, 2 * (-(-n // 2)), dtype=torch.uint8)
+    pairs[:, :n] = code
+    return pairs[:, 0::2] | (pairs[:, 1::2] << 4)
+
+
+def _fp4_unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 ``[rows, ceil(n/2)]`` -> fp32 ``[rows, n]``: the codes' values (not yet scaled)."""
+    table = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=packed.device)
+    table = torch.cat([table, -table])                 # codes 8-15: negative (8: -0)
+    codes = torch.stack([packed & 15, packed >> 4], dim=2).reshape(packed.shape[0], -1)[:, :n]
+    return table[codes.long()]
 
 
 def _chunked(x: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
