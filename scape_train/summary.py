@@ -96,6 +96,8 @@ def _strategy_line(cfg: Any) -> str | None:
     if s.fragments > 1:
         line += (f"; streaming: {s.fragments} fragments, one synchronized every "
                  f"{s.inner_steps // s.fragments} steps")
+    if s.outer_payload_dtype != "fp32":
+        line += f"; outer gradients as {s.outer_payload_dtype}"
     if s.round_budget_s > 0:
         line += f", round budget {s.round_budget_s:g}s"
     if s.name == "sparseloco":

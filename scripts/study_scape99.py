@@ -65,11 +65,12 @@ class Candidate:
 
     def overrides(self, steps: int) -> list[str]:
         if self.strategy != "data_parallel":
-            # SparseLoCo's values take SCAPE's payload codecs (fp32 by default)
+            # SparseLoCo's values and DiLoCo's outer gradients take SCAPE's payload codecs
+            # (fp32 by default)
+            key = "sparse_payload_dtype" if self.strategy == "sparseloco" else "outer_payload_dtype"
             return [f"optimizer={self.optimizer}", f"strategy={self.strategy}",
                     f"strategy.inner_steps={self.inner_steps}",
-                    *([f"strategy.sparse_payload_dtype={self.payload}"]
-                      if self.strategy == "sparseloco" and self.payload != "fp32" else []),
+                    *([f"strategy.{key}={self.payload}"] if self.payload != "fp32" else []),
                     *([f"strategy.fragments={self.fragments}"] if self.fragments != 1 else [])]
         if self.optimizer == "powersgd":
             return ["optimizer=powersgd", f"optimizer.powersgd_rank={self.rank}"]
@@ -152,6 +153,10 @@ CANDIDATES = {c.name: c for c in [
        strategy="diloco", inner_steps=30, fragments=3),
     _s("sparseloco_h10_fp8", "SparseLoCo (64 of 4096, fp8), H = 10", 2e-3, optimizer="adamw",
        strategy="sparseloco", inner_steps=10, payload="fp8_e4m3"),
+    # Streaming DiLoCo's 4-bit outer gradients (E2M1 with power-of-two block scales)
+    _s("streaming_h30_f3_fp4", "Streaming DiLoCo, H = 30, 3 fragments, fp4 outer gradients",
+       2.5e-4, optimizer="adamw", strategy="diloco", inner_steps=30, fragments=3,
+       payload="fp4_e2m1"),
 ]}
 # frontier points that an earlier screen already ran under another name
 FRONTIER_ALIASES = {"f_fp8_e4m3_d10": "s99_fp8_d10_now", "f_bf16_d05": "s99_bf16_d05_now"}

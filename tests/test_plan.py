@@ -131,6 +131,9 @@ STEP_CASES = {
     # Streaming DiLoCo: rounds alternate between the fragments; the plan takes the worst
     "diloco_fragments": ["strategy=diloco", "optimizer=adamw", "strategy.inner_steps=2",
                          "strategy.fragments=2"],
+    # the outer all-reduce quantized (all-to-all, fp32 sum, all-gather), over fragments
+    "diloco_fp4": ["strategy=diloco", "optimizer=adamw", "strategy.inner_steps=2",
+                   "strategy.fragments=2", "strategy.outer_payload_dtype=fp4_e2m1"],
     "sparseloco": ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=1",
                    "strategy.sparse_chunk=256", "strategy.sparse_topk=32"],
     "sparseloco_fp8": ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=1",

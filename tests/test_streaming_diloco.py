@@ -150,3 +150,63 @@ def test_the_summary_line_names_the_fragments():
                                           "strategy.fragments=3", "trainer.max_steps=300"]))
     assert line.startswith("diloco, H=30, ~30 rounds")
     assert line.endswith("streaming: 3 fragments, one synchronized every 10 steps")
+    fp4 = _strategy_line(compose_config(["strategy=diloco", "optimizer=adamw",
+                                         "strategy.outer_payload_dtype=fp4_e2m1"]))
+    assert fp4.endswith("; outer gradients as fp4_e2m1")
+
+
+def _quantized_worker(rank, world, fragments_):
+    """DiLoCo with fp4 outer gradients: each round's applied delta (read back from y = theta0 -
+    eta * delta) is the workers' mean drift within the codec's rounding, not equal to it, and
+    the round's bytes are the quantized exchange's."""
+    strategy, model = _make(fragments=fragments_, outer_payload_dtype="fp4_e2m1")
+    outer = strategy.outer
+    frags = outer.fragments if fragments_ > 1 else [outer]
+    checks = []
+    for frag in frags:
+        original = frag.round
+
+        def checked_round(t, frag=frag, original=original):
+            anchor = [a.clone() for a in frag.state.anchor]
+            drift = torch.cat([(a - p.detach()).double().reshape(-1)
+                               for a, p in zip(anchor, frag.params)])
+            dist.all_reduce(drift)
+            drift.div_(world)
+            strategy.comm.pop_stats()
+            metrics = original(t)
+            sent = strategy.comm.pop_stats().get("comm/outer_sent_bytes")
+            applied = torch.cat([((a - y) / 0.7).double().reshape(-1)
+                                 for a, y in zip(anchor, frag.state.y_prev)])
+            err = float((applied - drift).abs().max())
+            checks.append({"err": err, "scale": float(drift.abs().max()), "sent": sent,
+                           "numel": drift.numel()})
+            return metrics
+
+        frag.round = checked_round
+    _steps(strategy, model, 1, 8, rank)
+    return checks, torch.cat([a.reshape(-1) for a in outer.state.anchor])
+
+
+@pytest.mark.parametrize("fragments_", [1, 2])
+def test_fp4_outer_gradients_round_the_mean_and_keep_replicas_equal(fragments_):
+    res = run_distributed(_quantized_worker, 2, (fragments_,))
+    assert torch.equal(res[0][1], res[1][1])   # the same theta0: every rank decodes the same bytes
+    checks = res[0][0]
+    assert len(checks) == 8 // (4 // fragments_)
+    for c in checks:
+        # e2m1 with power-of-two block scales: at most a quarter of the block maximum, twice
+        # (each rank's chunk, then the mean); and it did round
+        assert 1e-7 < c["err"] <= 0.5 * c["scale"] + 1e-6, c
+        fp32 = ring_all_reduce_bytes(4 * c["numel"], 2)
+        assert c["sent"] < fp32 / 6, (c["sent"], fp32)
+
+
+def test_quantized_outer_gradients_are_refused_where_they_cannot_run():
+    with pytest.raises(ValueError, match="applies to strategy=diloco"):
+        validate(StrategyConfig(**{**CFG, "name": "sparseloco", "fragments": 1,
+                                   "outer_payload_dtype": "bf16"}), OPT, 2)
+    with pytest.raises(ValueError, match="set overlap_steps=0"):
+        validate(StrategyConfig(**{**CFG, "overlap_steps": 1, "outer_payload_dtype": "bf16"}),
+                 OPT, 2)
+    with pytest.raises(ValueError, match="outer_payload_dtype must be one of"):
+        validate(StrategyConfig(**{**CFG, "outer_payload_dtype": "int4"}), OPT, 2)

@@ -390,11 +390,15 @@ def _sparseloco_round(r: Replay, s, n: int, big: int, world: int, fetch: int,
 
 
 def _dense_round(r: Replay, s, n: int, big: int, fetch: int,
-                 buffers: list[tuple[str, int]]) -> None:
+                 buffers: list[tuple[str, int]], world: int = 1, on_gpu: bool = False) -> None:
     """DiLoCo's round (an all-reduce) or a gossip round, after the inner step."""
     if s.overlap_steps == 0:   # a blocking round's, inside the step
         for what, b in buffers:
             r.alloc(b, what)
+    if all_reduce_round(s) and s.outer_payload_dtype != "fp32":
+        from scape_train.plan.scape_step import trace_quantized_all_reduce
+        r.spike(trace_quantized_all_reduce(n, world, s.outer_payload_dtype, on_gpu),
+                f"{s.outer_payload_dtype} outer all-reduce (all-to-all, fp32 sum, all-gather)")
     if all_reduce_round(s):
         r.spike(F32 * big + fetch, "outer gradient of the largest tensor")
         # y, y - y_prev and x of this tensor beside the previous tensor's x (rebound only after)
@@ -440,7 +444,7 @@ def _local(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory
         for size, largest in sizes:
             each = copy.deepcopy(r)
             _dense_round(each, s, size, largest, 2 * F32 * largest if on_host else 0,
-                         in_flight_buffers(s, size, world))
+                         in_flight_buffers(s, size, world), world, on_gpu)
             rounds.append(each)
         r = max(rounds, key=lambda each: each.peak)
     mem.step, mem.step_where = r.peak, r.where

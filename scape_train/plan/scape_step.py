@@ -144,3 +144,24 @@ def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> StepMemory:
             strategy.close()
     step, where = peaks[-1]
     return StepMemory(held=held, step=step, where=where, density=density)
+
+
+def trace_quantized_all_reduce(numel: int, world: int, payload_dtype: str, on_gpu: bool) -> int:
+    """The bytes ``optim/scape/payload.py``'s quantized all-reduce of ``numel`` fp32 values
+    allocates at its peak beyond its input (DiLoCo's ``strategy.outer_payload_dtype``), traced
+    on fake tensors as rank 0 of ``world``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from scape_train.optim.scape.payload import PayloadCodec, all_reduce_mean
+
+    tracker = LiveBytes(CUDA_BLOCK if on_gpu else 1)
+    with FakeTensorMode():
+        x = torch.empty(numel, dtype=torch.float32, device="cpu")
+        tracker.track([x], "input")
+        base = tracker.live
+        with tracker:
+            tracker.peak = base
+            out = all_reduce_mean(x, PlanComm(0, world), PayloadCodec(payload_dtype),
+                                  kind="outer")
+            del out
+    return tracker.peak - base

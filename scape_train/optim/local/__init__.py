@@ -51,6 +51,16 @@ def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: in
         need(cfg.sparse_payload_dtype in PAYLOAD_DTYPES,
              f"sparse_payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got "
              f"{cfg.sparse_payload_dtype!r}")
+    need(cfg.outer_payload_dtype in PAYLOAD_DTYPES,
+         f"outer_payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got "
+         f"{cfg.outer_payload_dtype!r}")
+    if cfg.outer_payload_dtype != "fp32":
+        need(cfg.name == "diloco", f"outer_payload_dtype={cfg.outer_payload_dtype} applies to "
+             f"strategy=diloco (its outer all-reduce), not {cfg.name}")
+        need(cfg.overlap_steps == 0 and not cfg.elastic.enabled,
+             f"outer_payload_dtype={cfg.outer_payload_dtype} is a blocking all-to-all and "
+             "all-gather over the workers' own group: set overlap_steps=0 and drop "
+             "strategy.elastic (torchft's replica groups carry no all-to-all)")
     need(cfg.inner_steps >= 0, f"inner_steps (H) must be >= 0, got {cfg.inner_steps}")
     per = list(cfg.inner_steps_per_worker)
     need(not per or len(per) == world_size,
@@ -137,9 +147,11 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
     def make_outer(params, names):
         if cfg.name == "diloco" and cfg.fragments > 1:
             return StreamingDiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
-                                   cfg.outer_state_on_cpu, count=cfg.fragments)
+                                   cfg.outer_state_on_cpu, count=cfg.fragments,
+                                   payload_dtype=cfg.outer_payload_dtype)
         if cfg.name == "diloco":
-            return DiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum, cfg.outer_state_on_cpu)
+            return DiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
+                          cfg.outer_state_on_cpu, payload_dtype=cfg.outer_payload_dtype)
         if cfg.name == "sparseloco":
             return SparseLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
                               cfg.outer_state_on_cpu, chunk=cfg.sparse_chunk,

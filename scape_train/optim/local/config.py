@@ -54,6 +54,9 @@ class StrategyConfig:
     # Streaming DiLoCo: each fragment synchronized every H steps, one of them every H/F steps
     # (strided over the blocks), so a round moves 1/F of the model
     fragments: int = 1                # diloco: Streaming DiLoCo's fragments F (1: plain DiLoCo)
+    # diloco: the outer gradient's all-reduce in fp32, or quantized with payload.py's codecs
+    # (a sum accumulated in fp32; no error feedback: the rounding of the mean is dropped)
+    outer_payload_dtype: str = "fp32"   # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | fp4_e2m1
     seed: int = 0                     # the mixing graph's RNG seed (with the round number)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     max_rounds: Optional[int] = None  # informational: the run ends at trainer.max_steps, i.e.
