@@ -34,15 +34,13 @@ class DiLoCo(OuterAlgorithm):
         super().__init__(params, names, comm, eta, gamma, on_cpu)
         self.codec = PayloadCodec(payload_dtype)
 
-    def start_all_reduce(self, kind: str, async_op: bool = False, keep_local: bool = False):
+    def average(self, delta, kind: str, async_op: bool) -> Handle:
         if not self.codec.lowp:
-            return super().start_all_reduce(kind, async_op, keep_local)
+            return super().average(delta, kind, async_op)
         assert not async_op, "a quantized outer all-reduce blocks (validate refuses overlap)"
-        delta, _, drift, local = super().start_all_reduce(kind, async_op, keep_local,
-                                                          reduce=False)
         mean, _ = all_reduce_mean(delta.float(), self.comm, self.codec, kind=kind)
         delta.copy_(mean)
-        return delta, Handle(self.comm, kind), drift, local
+        return Handle(self.comm, kind)          # done: nothing left in flight
 
     def round(self, t: int) -> dict[str, float]:
         return self.round_metrics(*self.all_reduce_round(kind=self.all_reduce_kind))

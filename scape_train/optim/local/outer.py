@@ -207,21 +207,22 @@ class OuterAlgorithm(abc.ABC):
     def round_metrics(self, drift: float, committed: bool) -> dict[str, float]:
         return {"outer/drift_norm": drift, "outer/committed": float(committed)}
 
-    def start_all_reduce(self, kind: str, async_op: bool = False, keep_local: bool = False,
-                         reduce: bool = True
+    def start_all_reduce(self, kind: str, async_op: bool = False, keep_local: bool = False
                          ) -> tuple[torch.Tensor, Handle, float, torch.Tensor | None]:
         """``delta = theta0 - theta`` into one flat buffer and its average over the workers
         started (``async_op``: not waited for; the buffer must be left alone until it is).
         Returns (delta, its handle, this worker's drift norm ``||theta0 - theta||`` before the
-        average, and with ``keep_local`` a copy of this worker's own delta). ``reduce=False``:
-        the average is the caller's (DiLoCo's quantized all-reduce); the handle is a done one."""
+        average, and with ``keep_local`` a copy of this worker's own delta)."""
         delta = self.drift_flat()
         with torch.no_grad():
             drift = float(torch.linalg.vector_norm(delta))
             local = delta.clone() if keep_local else None
-        handle = (self.comm.all_reduce(delta, kind=kind, average=True, async_op=async_op)
-                  if reduce else Handle(self.comm, kind))
-        return delta, handle, drift, local
+        return delta, self.average(delta, kind, async_op), drift, local
+
+    def average(self, delta: torch.Tensor, kind: str, async_op: bool) -> Handle:
+        """``delta`` replaced by its mean over the workers (``Comm`` kind ``kind``): one fp32
+        all-reduce here; DiLoCo's quantized one where its outer gradients are coded."""
+        return self.comm.all_reduce(delta, kind=kind, average=True, async_op=async_op)
 
     def apply_all_reduce(self, delta: torch.Tensor, local_weight: float = 0.0,
                          local_delta: torch.Tensor | None = None) -> bool:

@@ -102,26 +102,22 @@ class ElasticScapeStrategy(OptimizerStrategy):
         self.attempts = 0
         return metrics
 
-    def _keep(self, grads: list[torch.Tensor]) -> dict[str, Any]:
-        """Copy aside what a step changes (θ, p.grad, m, e) and the step's bookkeeping."""
-        scape = self.scape
+    def _keep(self, grads: list[torch.Tensor]) -> tuple:
+        """Copy aside what a step changes (θ, p.grad, m, e); return SCAPE's marks."""
+        state = self.scape.reference.state
         torch._foreach_copy_(self._theta, self.params)
         torch._foreach_copy_(self._grads, grads)
-        self._m.copy_(scape.reference.state.m)
-        self._e.copy_(scape.reference.state.residual.tensor())
-        return {"_cur": scape._cur, "_pending": scape._pending, "steps_done": scape.steps_done,
-                "_loaded_counts": scape._loaded_counts}
+        self._m.copy_(state.m)
+        self._e.copy_(state.residual.tensor())
+        return self.scape.marks()
 
-    def _restore(self, grads: list[torch.Tensor], kept: dict[str, Any]) -> None:
-        scape = self.scape
+    def _restore(self, grads: list[torch.Tensor], marks: tuple) -> None:
+        state = self.scape.reference.state
         torch._foreach_copy_(self.params, self._theta)
         torch._foreach_copy_(grads, self._grads)
-        scape.reference.state.m.copy_(self._m)
-        scape.reference.state.residual.load(self._e)
-        for name, value in kept.items():
-            setattr(scape, name, value)
-        if scape.fused is not None:   # m's support is the copy's, not the failed step's
-            scape.fused.forget_support()
+        state.m.copy_(self._m)
+        state.residual.load(self._e)
+        self.scape.rewind(marks)
 
     def zero_grad(self) -> None:
         if not self._keep_grads:     # a failed step's gradient joins the next one

@@ -79,9 +79,7 @@ class ScapeStrategy(OptimizerStrategy):
         # the kernels, chosen once (the masks' codecs and the fused step's passes); fails now,
         # not at the first step, when Triton is forced where it cannot run
         self.passes = select_passes(cfg.use_triton, self.layout.device)
-        self.part = build_partition(self.layout, self.comm.world, cfg.partitioner)
-        self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.passes,
-                                     layout=self.layout, coding=cfg.mask_coding)
+        self._set_owners(self.comm.world)
         reference, fused = ((ShardedScape, FusedShardedScape) if cfg.sharded
                             else (ReplicatedScape, FusedReplicatedScape))
         args = (self.layout, self.part, cfg, self.comm)
@@ -110,14 +108,18 @@ class ScapeStrategy(OptimizerStrategy):
         if self.comm.backend not in ("none", "gloo", "nccl", "torchft"):
             raise ValueError(f"SCAPE is tested on gloo and nccl, not {self.comm.backend!r}")
 
+    def _set_owners(self, world: int) -> None:
+        """The partition over ``world`` owners and the mask exchange that follows it."""
+        self.part = build_partition(self.layout, world, self.cfg.partitioner)
+        self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.passes,
+                                     layout=self.layout, coding=self.cfg.mask_coding)
+
     def repartition(self, world: int) -> None:
         """Owners for a world of ``world`` ranks (elastic runs: the quorum's size, which changes
         between steps; ``optim/scape/elastic.py``): the partition, the mask exchange and the
         engines' view of it. The next mask, built under the old owners, keeps its ones; its
         count per new segment is read from the device once (``measured_counts``)."""
-        self.part = build_partition(self.layout, world, self.cfg.partitioner)
-        self.exchange = MaskExchange(self.part, self.comm, self.layout.total, self.passes,
-                                     layout=self.layout, coding=self.cfg.mask_coding)
+        self._set_owners(world)
         for engine in (self.reference, self.fused):
             if engine is not None:
                 engine.part = self.part
@@ -129,6 +131,18 @@ class ScapeStrategy(OptimizerStrategy):
         nxt = self._next()
         self._loaded_counts = None if nxt is None else measured_counts(nxt.dense(keep=False),
                                                                         self.part)
+
+    def marks(self) -> tuple:
+        """What a step moves beyond the tensors it writes in place (the masks, the step count,
+        a loaded mask's counts): for :meth:`rewind` (elastic runs: a step nobody committed)."""
+        return self._cur, self._pending, self.steps_done, self._loaded_counts
+
+    def rewind(self, marks: tuple) -> None:
+        """Back to :meth:`marks`' point; the caller restores θ, m and e. m's support is then the
+        earlier one, which the fused engine no longer knows."""
+        self._cur, self._pending, self.steps_done, self._loaded_counts = marks
+        if self.fused is not None:
+            self.fused.forget_support()
 
     # -- the trainer's hooks -------------------------------------------------------------------
     def zero_grad(self) -> None:
