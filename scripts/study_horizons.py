@@ -87,6 +87,7 @@ SETTINGS = {s.candidate: s for s in [
     Setting("gasloc_h30", 1, horizons=False), Setting("gasloc_h10", 1, horizons=False),
     Setting("sparseloco_h10", 1, horizons=False), Setting("sparseloco_h30", 1, horizons=False),
     Setting("sparseloco_h10_fp8", 1, horizons=False),
+    Setting("sparseloco_h10_fp4", 1, horizons=False),
     Setting("streaming_h30_f3", 1, horizons=False),
     Setting("streaming_h30_f3_fp4", 1, horizons=False),
 ]}

@@ -157,6 +157,8 @@ CANDIDATES = {c.name: c for c in [
     _s("streaming_h30_f3_fp4", "Streaming DiLoCo, H = 30, 3 fragments, fp4 outer gradients",
        2.5e-4, optimizer="adamw", strategy="diloco", inner_steps=30, fragments=3,
        payload="fp4_e2m1"),
+    _s("sparseloco_h10_fp4", "SparseLoCo (64 of 4096, fp4), H = 10", 2e-3, optimizer="adamw",
+       strategy="sparseloco", inner_steps=10, payload="fp4_e2m1"),
 ]}
 # frontier points that an earlier screen already ran under another name
 FRONTIER_ALIASES = {"f_fp8_e4m3_d10": "s99_fp8_d10_now", "f_bf16_d05": "s99_bf16_d05_now"}
