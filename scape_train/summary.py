@@ -98,6 +98,8 @@ def _strategy_line(cfg: Any) -> str | None:
                  f"{s.inner_steps // s.fragments} steps")
     if s.outer_payload_dtype != "fp32":
         line += f"; outer gradients as {s.outer_payload_dtype}"
+        if s.outer_error_feedback > 0:
+            line += f" with error feedback (beta {s.outer_error_feedback:g})"
     if s.round_budget_s > 0:
         line += f", round budget {s.round_budget_s:g}s"
     if s.name == "sparseloco":

@@ -90,6 +90,7 @@ SETTINGS = {s.candidate: s for s in [
     Setting("sparseloco_h10_fp4", 1, horizons=False),
     Setting("streaming_h30_f3", 1, horizons=False),
     Setting("streaming_h30_f3_fp4", 1, horizons=False),
+    Setting("streaming_h30_f3_fp4_ef", 1, horizons=False),
 ]}
 
 

@@ -62,6 +62,7 @@ class Candidate:
     strategy: str = "data_parallel"   # or local-step training: diloco, gasloc, sparseloco
     inner_steps: int = 30        # their H
     fragments: int = 1           # DiLoCo's: Streaming DiLoCo's F
+    error_feedback: float = 0.0  # DiLoCo's quantized outer gradients: strategy.outer_error_feedback
 
     def overrides(self, steps: int) -> list[str]:
         if self.strategy != "data_parallel":
@@ -71,7 +72,9 @@ class Candidate:
             return [f"optimizer={self.optimizer}", f"strategy={self.strategy}",
                     f"strategy.inner_steps={self.inner_steps}",
                     *([f"strategy.{key}={self.payload}"] if self.payload != "fp32" else []),
-                    *([f"strategy.fragments={self.fragments}"] if self.fragments != 1 else [])]
+                    *([f"strategy.fragments={self.fragments}"] if self.fragments != 1 else []),
+                    *([f"strategy.outer_error_feedback={self.error_feedback:g}"]
+                      if self.error_feedback else [])]
         if self.optimizer == "powersgd":
             return ["optimizer=powersgd", f"optimizer.powersgd_rank={self.rank}"]
         if self.optimizer not in ("scape", "topk_adamw"):
@@ -157,6 +160,10 @@ CANDIDATES = {c.name: c for c in [
     _s("streaming_h30_f3_fp4", "Streaming DiLoCo, H = 30, 3 fragments, fp4 outer gradients",
        2.5e-4, optimizer="adamw", strategy="diloco", inner_steps=30, fragments=3,
        payload="fp4_e2m1"),
+    # ... with each worker's rounding fed back into its next round (beta 1)
+    _s("streaming_h30_f3_fp4_ef", "Streaming DiLoCo, H = 30, 3 fragments, fp4 outer gradients "
+       "with error feedback", 2.5e-4, optimizer="adamw", strategy="diloco", inner_steps=30,
+       fragments=3, payload="fp4_e2m1", error_feedback=1.0),
     _s("sparseloco_h10_fp4", "SparseLoCo (64 of 4096, fp4), H = 10", 2e-3, optimizer="adamw",
        strategy="sparseloco", inner_steps=10, payload="fp4_e2m1"),
 ]}

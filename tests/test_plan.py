@@ -134,6 +134,10 @@ STEP_CASES = {
     # the outer all-reduce quantized (all-to-all, fp32 sum, all-gather), over fragments
     "diloco_fp4": ["strategy=diloco", "optimizer=adamw", "strategy.inner_steps=2",
                    "strategy.fragments=2", "strategy.outer_payload_dtype=fp4_e2m1"],
+    # ... 65536 values at a time, with each worker's rounding fed back
+    "diloco_fp4_ef": ["strategy=diloco", "optimizer=adamw", "strategy.inner_steps=2",
+                      "strategy.fragments=2", "strategy.outer_payload_dtype=fp4_e2m1",
+                      "strategy.outer_payload_chunk=65536", "strategy.outer_error_feedback=1"],
     "sparseloco": ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=1",
                    "strategy.sparse_chunk=256", "strategy.sparse_topk=32"],
     "sparseloco_fp8": ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=1",

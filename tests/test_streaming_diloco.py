@@ -153,38 +153,51 @@ def test_the_summary_line_names_the_fragments():
     fp4 = _strategy_line(compose_config(["strategy=diloco", "optimizer=adamw",
                                          "strategy.outer_payload_dtype=fp4_e2m1"]))
     assert fp4.endswith("; outer gradients as fp4_e2m1")
+    ef = _strategy_line(compose_config(["strategy=diloco", "optimizer=adamw",
+                                        "strategy.outer_payload_dtype=fp4_e2m1",
+                                        "strategy.outer_error_feedback=1"]))
+    assert ef.endswith("; outer gradients as fp4_e2m1 with error feedback (beta 1)")
 
 
-def _quantized_worker(rank, world, fragments_):
-    """DiLoCo with fp4 outer gradients: each round's applied delta (read back from y = theta0 -
-    eta * delta) is the workers' mean drift within the codec's rounding, not equal to it, and
-    the round's bytes are the quantized exchange's."""
-    strategy, model = _make(fragments=fragments_, outer_payload_dtype="fp4_e2m1")
-    outer = strategy.outer
-    frags = outer.fragments if fragments_ > 1 else [outer]
+def _observed_rounds(strategy, fragments_, observe) -> list:
+    """Each round of DiLoCo (or of each Streaming DiLoCo fragment) wrapped so that
+    ``observe(frag, anchor, drift, error, applied, metrics)`` adds a check after it: theta0,
+    this worker's drift (float64) and error feedback (a copy, or None) before the round, the
+    applied outer gradient (read back from y = theta0 - eta * delta), the round's metrics."""
     checks = []
-    for frag in frags:
-        original = frag.round
-
-        def checked_round(t, frag=frag, original=original):
+    for frag in strategy.outer.fragments if fragments_ > 1 else [strategy.outer]:
+        def checked_round(t, frag=frag, original=frag.round):
             anchor = [a.clone() for a in frag.state.anchor]
             drift = torch.cat([(a - p.detach()).double().reshape(-1)
                                for a, p in zip(anchor, frag.params)])
-            dist.all_reduce(drift)
-            drift.div_(world)
+            error = None if frag.error is None else frag.error.double()
             strategy.comm.pop_stats()
             metrics = original(t)
-            sent = strategy.comm.pop_stats().get("comm/outer_sent_bytes")
             applied = torch.cat([((a - y) / 0.7).double().reshape(-1)
                                  for a, y in zip(anchor, frag.state.y_prev)])
-            err = float((applied - drift).abs().max())
-            checks.append({"err": err, "scale": float(drift.abs().max()), "sent": sent,
-                           "numel": drift.numel()})
+            checks.append(observe(frag, anchor, drift, error, applied, metrics))
             return metrics
 
         frag.round = checked_round
+    return checks
+
+
+def _quantized_worker(rank, world, fragments_):
+    """DiLoCo with fp4 outer gradients: each round's applied delta is the workers' mean drift
+    within the codec's rounding, not equal to it, and the round's bytes are the quantized
+    exchange's."""
+    strategy, model = _make(fragments=fragments_, outer_payload_dtype="fp4_e2m1")
+
+    def observe(frag, anchor, drift, error, applied, metrics):
+        dist.all_reduce(drift)
+        drift.div_(world)
+        return {"err": float((applied - drift).abs().max()), "scale": float(drift.abs().max()),
+                "sent": strategy.comm.pop_stats().get("comm/outer_sent_bytes"),
+                "numel": drift.numel()}
+
+    checks = _observed_rounds(strategy, fragments_, observe)
     _steps(strategy, model, 1, 8, rank)
-    return checks, torch.cat([a.reshape(-1) for a in outer.state.anchor])
+    return checks, torch.cat([a.reshape(-1) for a in strategy.outer.state.anchor])
 
 
 @pytest.mark.parametrize("fragments_", [1, 2])
@@ -201,6 +214,47 @@ def test_fp4_outer_gradients_round_the_mean_and_keep_replicas_equal(fragments_):
         assert c["sent"] < fp32 / 6, (c["sent"], fp32)
 
 
+def _error_feedback_worker(rank, world, fragments_, chunk):
+    """fp4 outer gradients with error feedback (beta 1), ``chunk`` values per all-reduce call:
+    every round, what the workers sent plus what they held back is what was applied plus what
+    they hold back now, summed over the workers (nothing lost to the rounding); then the
+    checkpoint carries each worker's error feedback."""
+    over = dict(fragments=fragments_, outer_payload_dtype="fp4_e2m1", outer_payload_chunk=chunk,
+                outer_error_feedback=1.0)
+    strategy, model = _make(**over)
+
+    def observe(frag, anchor, drift, error, applied, metrics):
+        calls = strategy.comm.stats["outer"].calls
+        before, after = drift + error, frag.error.double()
+        for t in (before, after):
+            dist.all_reduce(t)
+        # applied is read back from y = theta0 - 0.7 * delta, rounded to theta0's ulp
+        reach = max(float(a.abs().max()) for a in anchor) / 0.7 + float(before.abs().max())
+        return {"gap": float((before - world * applied - after).abs().max()),
+                "tol": 8 * world * 2 ** -23 * reach, "calls": calls, "numel": applied.numel(),
+                "held": float(frag.error.abs().max()), "metric": metrics["outer/error_norm"]}
+
+    checks = _observed_rounds(strategy, fragments_, observe)
+    _steps(strategy, model, 1, 8, rank)
+    fresh, _ = _make(seed=1, **over)
+    fresh.load_state_dict(strategy.state_dict())
+    pairs = zip(*(o.fragments if fragments_ > 1 else [o] for o in (strategy.outer, fresh.outer)))
+    return checks, torch.cat([a.reshape(-1) for a in strategy.outer.state.anchor]), \
+        all(torch.equal(a.error, b.error) for a, b in pairs)
+
+
+@pytest.mark.parametrize("fragments_,chunk", [(1, 256), (2, 200)])
+def test_fp4_outer_error_feedback_loses_nothing_and_is_checkpointed(fragments_, chunk):
+    res = run_distributed(_error_feedback_worker, 2, (fragments_, chunk))
+    assert torch.equal(res[0][1], res[1][1])   # replicas stay equal
+    assert res[0][2] and res[1][2]             # the error feedback came back from the checkpoint
+    for c in res[0][0]:
+        assert c["gap"] <= c["tol"], c           # conserved, to fp32's rounding
+        assert c["held"] > 0 and c["metric"] > 0, c       # and something was held back
+        assert c["calls"] == 2 * -(-c["numel"] // chunk), c   # all-to-all + all-gather a chunk
+        assert c["numel"] > chunk, c
+
+
 def test_quantized_outer_gradients_are_refused_where_they_cannot_run():
     with pytest.raises(ValueError, match="applies to strategy=diloco"):
         validate(StrategyConfig(**{**CFG, "name": "sparseloco", "fragments": 1,
@@ -210,3 +264,11 @@ def test_quantized_outer_gradients_are_refused_where_they_cannot_run():
                  OPT, 2)
     with pytest.raises(ValueError, match="outer_payload_dtype must be one of"):
         validate(StrategyConfig(**{**CFG, "outer_payload_dtype": "int4"}), OPT, 2)
+    with pytest.raises(ValueError, match="fp32 ones are not rounded"):
+        validate(StrategyConfig(**{**CFG, "outer_error_feedback": 1.0}), OPT, 2)
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
+        validate(StrategyConfig(**{**CFG, "outer_payload_dtype": "bf16",
+                                   "outer_error_feedback": 1.5}), OPT, 2)
+    with pytest.raises(ValueError, match="outer_payload_chunk must be >= 1"):
+        validate(StrategyConfig(**{**CFG, "outer_payload_dtype": "bf16",
+                                   "outer_payload_chunk": 0}), OPT, 2)

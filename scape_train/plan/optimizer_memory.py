@@ -397,8 +397,10 @@ def _dense_round(r: Replay, s, n: int, big: int, fetch: int,
             r.alloc(b, what)
     if all_reduce_round(s) and s.outer_payload_dtype != "fp32":
         from scape_train.plan.scape_step import trace_quantized_all_reduce
-        r.spike(trace_quantized_all_reduce(n, world, s.outer_payload_dtype, on_gpu),
-                f"{s.outer_payload_dtype} outer all-reduce (all-to-all, fp32 sum, all-gather)")
+        r.spike(trace_quantized_all_reduce(n, world, s.outer_payload_dtype, on_gpu,
+                                           s.outer_payload_chunk, s.outer_error_feedback),
+                f"{s.outer_payload_dtype} outer all-reduce (all-to-all, fp32 sum, all-gather) of "
+                f"{min(n, s.outer_payload_chunk):,} values")
     if all_reduce_round(s):
         r.spike(F32 * big + fetch, "outer gradient of the largest tensor")
         # y, y - y_prev and x of this tensor beside the previous tensor's x (rebound only after)
@@ -426,6 +428,9 @@ def _local(cfg: Config, p: _Params, world: int, on_gpu: bool) -> OptimizerMemory
     if s.name == "sparseloco":
         mem.state.append(("SparseLoCo error feedback (fp32, whole chunks)",
                           F32 * sparseloco_layout(s, n).padded))
+    if all_reduce_round(s) and s.outer_payload_dtype != "fp32" and s.outer_error_feedback > 0:
+        (mem.host if on_host else mem.state).append(
+            ("outer error feedback (fp32)", F32 * n))
     r = Replay()
     _adam_step(r, inner, p, o, on_gpu, scaled_grads=False)
     fetch = 2 * F32 * big if on_host else 0          # theta0 and y_prev copied to the device

@@ -146,22 +146,26 @@ def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> StepMemory:
     return StepMemory(held=held, step=step, where=where, density=density)
 
 
-def trace_quantized_all_reduce(numel: int, world: int, payload_dtype: str, on_gpu: bool) -> int:
-    """The bytes ``optim/scape/payload.py``'s quantized all-reduce of ``numel`` fp32 values
-    allocates at its peak beyond its input (DiLoCo's ``strategy.outer_payload_dtype``), traced
-    on fake tensors as rank 0 of ``world``."""
+def trace_quantized_all_reduce(numel: int, world: int, payload_dtype: str, on_gpu: bool,
+                               chunk: int, error_feedback: float = 0.0) -> int:
+    """The bytes DiLoCo's quantized outer all-reduce (``optim/local/diloco.py``:
+    ``strategy.outer_payload_dtype``, ``outer_payload_chunk``, ``outer_error_feedback``) of
+    ``numel`` fp32 values allocates at its peak beyond its input and error feedback, traced on
+    fake tensors as rank 0 of ``world``. Every chunk allocates alike, so one chunk is traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from scape_train.optim.scape.payload import PayloadCodec, all_reduce_mean
+    from scape_train.optim.local.diloco import quantized_average_
+    from scape_train.optim.scape.payload import PayloadCodec
 
+    numel = min(numel, chunk)
     tracker = LiveBytes(CUDA_BLOCK if on_gpu else 1)
     with FakeTensorMode():
         x = torch.empty(numel, dtype=torch.float32, device="cpu")
-        tracker.track([x], "input")
+        error = torch.empty_like(x) if error_feedback > 0 else None
+        tracker.track([x] + ([error] if error is not None else []), "input")
         base = tracker.live
         with tracker:
             tracker.peak = base
-            out = all_reduce_mean(x, PlanComm(0, world), PayloadCodec(payload_dtype),
-                                  kind="outer")
-            del out
+            quantized_average_(x, PlanComm(0, world), PayloadCodec(payload_dtype), kind="outer",
+                               chunk=chunk, error=error, error_feedback=error_feedback)
     return tracker.peak - base

@@ -61,6 +61,14 @@ def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: in
              f"outer_payload_dtype={cfg.outer_payload_dtype} is a blocking all-to-all and "
              "all-gather over the workers' own group: set overlap_steps=0 and drop "
              "strategy.elastic (torchft's replica groups carry no all-to-all)")
+    need(cfg.outer_payload_chunk >= 1,
+         f"outer_payload_chunk must be >= 1 value, got {cfg.outer_payload_chunk}")
+    need(0.0 <= cfg.outer_error_feedback <= 1.0,
+         f"outer_error_feedback (beta) must be in [0, 1], got {cfg.outer_error_feedback}")
+    need(cfg.outer_error_feedback == 0.0 or cfg.outer_payload_dtype != "fp32",
+         f"outer_error_feedback={cfg.outer_error_feedback} feeds back the rounding of quantized "
+         "outer gradients, and fp32 ones are not rounded: set strategy.outer_payload_dtype "
+         "(e.g. fp4_e2m1) or leave outer_error_feedback at 0")
     need(cfg.inner_steps >= 0, f"inner_steps (H) must be >= 0, got {cfg.inner_steps}")
     per = list(cfg.inner_steps_per_worker)
     need(not per or len(per) == world_size,
@@ -144,14 +152,17 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
     cfg = strategy_cfg
     validate(cfg, optimizer_cfg, comm.world)
 
+    outer_gradients = {"payload_dtype": cfg.outer_payload_dtype,
+                       "payload_chunk": cfg.outer_payload_chunk,
+                       "error_feedback": cfg.outer_error_feedback}
+
     def make_outer(params, names):
         if cfg.name == "diloco" and cfg.fragments > 1:
             return StreamingDiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
-                                   cfg.outer_state_on_cpu, count=cfg.fragments,
-                                   payload_dtype=cfg.outer_payload_dtype)
+                                   cfg.outer_state_on_cpu, count=cfg.fragments, **outer_gradients)
         if cfg.name == "diloco":
             return DiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
-                          cfg.outer_state_on_cpu, payload_dtype=cfg.outer_payload_dtype)
+                          cfg.outer_state_on_cpu, **outer_gradients)
         if cfg.name == "sparseloco":
             return SparseLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
                               cfg.outer_state_on_cpu, chunk=cfg.sparse_chunk,

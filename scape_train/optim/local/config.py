@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+OUTER_PAYLOAD_CHUNK = 1 << 24   # values per quantized outer all-reduce: <0.5 GB of temporaries
+
 
 @dataclass
 class ElasticConfig:
@@ -55,8 +57,12 @@ class StrategyConfig:
     # (strided over the blocks), so a round moves 1/F of the model
     fragments: int = 1                # diloco: Streaming DiLoCo's fragments F (1: plain DiLoCo)
     # diloco: the outer gradient's all-reduce in fp32, or quantized with payload.py's codecs
-    # (a sum accumulated in fp32; no error feedback: the rounding of the mean is dropped)
+    # (a sum accumulated in fp32), outer_payload_chunk values at a time (~30 B of temporaries
+    # each); outer_error_feedback beta > 0 carries each worker's rounding into its next round
+    # (e <- what x = delta + beta * e did not deliver); 0 drops it (Streaming DiLoCo's rule)
     outer_payload_dtype: str = "fp32"   # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | fp4_e2m1
+    outer_payload_chunk: int = OUTER_PAYLOAD_CHUNK   # values per quantized all-reduce call
+    outer_error_feedback: float = 0.0     # beta in [0, 1]; needs a quantized outer_payload_dtype
     seed: int = 0                     # the mixing graph's RNG seed (with the round number)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     max_rounds: Optional[int] = None  # informational: the run ends at trainer.max_steps, i.e.

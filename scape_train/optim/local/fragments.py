@@ -58,11 +58,11 @@ class StreamingDiLoCo(OuterAlgorithm):
     round_sets_every_param = False    # the other fragments train on past their anchors
 
     def __init__(self, params, names, comm, eta: float, gamma: float, on_cpu: bool, *,
-                 count: int, payload_dtype: str = "fp32"):
+                 count: int, **outer_gradients):
         self.params, self.comm, self.eta, self.gamma = params, comm, eta, gamma
         self.parts = fragments(names, [p.numel() for p in params], count)
         self.fragments = [DiLoCo([params[i] for i in part], [names[i] for i in part], comm, eta,
-                                 gamma, on_cpu, payload_dtype=payload_dtype)
+                                 gamma, on_cpu, **outer_gradients)
                           for part in self.parts]
         # the whole outer state in the parameters' order: views of the fragments' own tensors,
         # so the strategy's checkpoint and a healing peer see one theta0 and y_prev per name
@@ -88,7 +88,11 @@ class StreamingDiLoCo(OuterAlgorithm):
         self.fragments[self.in_flight].land(pending, local_weight)
 
     def extra_state(self) -> dict:
-        return {"fragment_in_flight": self.in_flight}
+        errors = {f"fragment_{f}": frag.extra_state() for f, frag in enumerate(self.fragments)}
+        return {"fragment_in_flight": self.in_flight,
+                **{key: part for key, part in errors.items() if part}}
 
     def load_extra_state(self, state: dict) -> None:
         self.in_flight = int(state.get("fragment_in_flight", 0))
+        for f, frag in enumerate(self.fragments):
+            frag.load_extra_state(state.get(f"fragment_{f}", {}))
