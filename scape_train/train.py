@@ -182,7 +182,8 @@ class Trainer:
             from scape_train.elastic.replica import ReplicaGroup   # replica groups
 
             self.replica = ReplicaGroup(cfg.strategy.elastic, self.run_dir,
-                                        self._replica_state, self._load_replica_state)
+                                        self._replica_state, self._load_replica_state,
+                                        device=info.device)
             exchange_comm = self.replica.comm
             shard, shards = cfg.strategy.elastic.replica, cfg.strategy.elastic.slots
         if cfg.strategy.name == "data_parallel" and self.replica is not None:

@@ -499,6 +499,93 @@ def check_env(ctx: Ctx) -> dict:
     return out
 
 
+# elastic DiLoCo at toy size: what the check proves is the exchange of device tensors across
+# replica groups, not speed
+ELASTIC_JOB = ["model=llama_tiny", "data=classics", "data.seq_len=128", "trainer.micro_batch_size=4",
+               "strategy=diloco", "strategy.inner_steps=5", "trainer.max_steps=15",
+               "trainer.warmup_steps=2", "trainer.log_every=5", "trainer.eval_every=0",
+               "trainer.checkpoint_every=0", "trainer.sample_tokens=0", "eval.enabled=false",
+               "logging.wandb.mode=disabled", "logging.progress_bar=false", "plan.check=off",
+               "strategy.elastic.enabled=true"]
+# (name, strategy.elastic.backend, workers): two workers share the one GPU through gloo (NCCL
+# refuses two ranks on one device); one worker forms its NCCL group alone
+ELASTIC_RUNS = (("gloo_pair", "gloo", 2), ("nccl_single", "auto", 1))
+
+
+@check("elastic", 60, "elastic DiLoCo with its workers on the GPU: 2 replica groups exchanging "
+       "CUDA tensors through torchft's gloo group, 1 through its NCCL group (backend auto); 3 "
+       "rounds each: committed rounds, the pair's parameters equal", optional=True)
+def check_elastic(ctx: Ctx) -> dict:
+    from scape_train.checkpoint import CheckpointManager
+    from scape_train.elastic.replica import EVENTS_FILE, import_torchft
+
+    import_torchft()
+    import torch
+    from torchft.coordination import LighthouseServer
+
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    servers, procs = [], {}
+    for name, backend, workers in ELASTIC_RUNS:
+        server = LighthouseServer(bind="[::]:0", min_replicas=workers, join_timeout_ms=2000)
+        servers.append(server)
+        for slot in range(workers):
+            run_dir = ctx.tmp / f"elastic_{name}_{slot}"
+            cmd = [sys.executable, "-m", "scape_train", *ELASTIC_JOB, f"run_dir={run_dir}",
+                   f"strategy.elastic.lighthouse={server.address()}",
+                   f"strategy.elastic.replica={slot}", f"strategy.elastic.slots={workers}",
+                   f"strategy.elastic.backend={backend}",
+                   *(["trainer.device=cpu"] if ctx.smoke else [])]
+            log = open(ctx.tmp / f"elastic_{name}_{slot}.log", "w+")
+            procs[(name, slot)] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
+                                                    stderr=subprocess.STDOUT), log, run_dir)
+    deadline = time.perf_counter() + ctx.limit_s - 5
+    out: dict = {}
+    try:
+        for (name, slot), (proc, log, run_dir) in procs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            text = log.read()
+            events = run_dir / EVENTS_FILE
+            rows = [json.loads(line) for line in events.read_text().splitlines()] \
+                if events.exists() else []
+            worker = {"returncode": proc.returncode,
+                      "committed_rounds": sum(1 for r in rows if r.get("committed")),
+                      **_exchange_line(text)}
+            if proc.returncode != 0:
+                worker["log_tail"] = text.strip().splitlines()[-15:]
+            out.setdefault(name, {})[f"worker_{slot}"] = worker
+    finally:
+        for server in servers:
+            server.shutdown()
+    pair = [CheckpointManager(ctx.tmp / f"elastic_gloo_pair_{slot}" / "checkpoints",
+                              None).latest_valid() for slot in range(2)]
+    if all(pair):
+        a, b = (torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+                for path in pair)
+        out["gloo_pair"]["same_parameters"] = a.keys() == b.keys() and all(
+            torch.equal(a[k], b[k]) for k in a)
+    workers = [w for run in out.values() for k, w in run.items() if k.startswith("worker_")]
+    single = out.get("nccl_single", {}).get("worker_0", {})
+    out["ok"] = bool(out.get("gloo_pair", {}).get("same_parameters")) and all(
+        w["returncode"] == 0 and w["committed_rounds"] == 3 for w in workers) and \
+        single.get("backend") == ("nccl" if ctx.cuda else "gloo")
+    return out
+
+
+def _exchange_line(text: str) -> dict:
+    """The device and backend an elastic worker logged for its exchange (``ReplicaGroup``)."""
+    for line in text.splitlines():
+        if "across replica groups over backend" in line:
+            return {"device": line.split("exchanges its ")[-1].split()[0],
+                    "backend": line.split("over backend ")[-1].split()[0]}
+    return {"device": None, "backend": None}
+
+
 @check("overlap_trace", 60, "2 GPUs only: the mask all-gather in flight during the next fwd/bwd")
 def check_overlap(ctx: Ctx) -> dict:
     import torch

@@ -155,6 +155,9 @@ def test_elastic_config_is_checked_early():
         validate(compose_config([*base, "strategy.elastic.slots=2", "strategy.elastic.replica=0"]),
                  world_size=2)
     validate(compose_config([*base, "strategy.elastic.slots=2", "strategy.elastic.replica=1"]))
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        validate(compose_config([*base, "strategy.elastic.slots=2", "strategy.elastic.replica=1",
+                                 "strategy.elastic.backend=mpi"]))
     # data parallelism across replica groups: the dense optimizers and replicated fp32 SCAPE,
     # and no step skipped alone
     dp = ["strategy.elastic.enabled=true", "strategy.elastic.slots=2", "strategy.elastic.replica=1"]

@@ -127,6 +127,34 @@ def test_the_default_job_does_not_import_torchft():
     assert out.stdout.strip() == "False"
 
 
+def test_the_exchange_across_replica_groups_lives_on_the_workers_device(tmp_path):
+    """The cross-group process group follows ``strategy.elastic.backend`` and the worker's
+    device (NCCL on CUDA by default, gloo elsewhere), and its ``Comm`` takes the worker's device,
+    so a GPU worker's tensors are exchanged where they live (``meta`` stands in for an
+    accelerator here; nothing is exchanged)."""
+    from scape_train.elastic.replica import ReplicaGroup, cross_group_backend, import_torchft
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert cross_group_backend("auto", cuda) == "nccl" and cross_group_backend("auto", cpu) == "gloo"
+    assert cross_group_backend("gloo", cuda) == "gloo"
+    with pytest.raises(ValueError, match="backend=nccl needs CUDA"):
+        cross_group_backend("nccl", cpu)
+    import_torchft()
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1)
+    try:
+        cfg = ElasticConfig(enabled=True, lighthouse=server.address(), replica=0, slots=1)
+        group = ReplicaGroup(cfg, tmp_path, dict, lambda state: None, device="meta")
+        assert group.backend == "gloo" and group.comm.device == torch.device("meta")
+        group.close()
+        with pytest.raises(ValueError, match="backend=nccl needs CUDA"):
+            ReplicaGroup(ElasticConfig(**{**cfg.__dict__, "backend": "nccl"}), tmp_path, dict,
+                         lambda state: None, device="cpu")
+    finally:
+        server.shutdown()
+
+
 def make_dense(votes, optimizer: str = "adamw"):
     from scape_train.optim.elastic_dense import ElasticDenseStrategy
 

@@ -107,6 +107,20 @@ def test_the_optional_checks_train_each_variant_and_name_the_best(tmp_path):
                for line in runs["cudnn_attention"]["chosen"]), runs["cudnn_attention"]["chosen"]
 
 
+@pytest.mark.slow
+def test_the_elastic_check_trains_two_replica_groups_alike(tmp_path):
+    """On the CPU the workers' backend is gloo either way; on a GPU the single one is NCCL."""
+    proc = subprocess.run([sys.executable, GPU_CHECK, "--smoke", "--out", str(tmp_path),
+                           "--only", "elastic", "--deadline", "300", "--limits", "elastic=280"],
+                          capture_output=True, text=True, timeout=330)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())["elastic"]
+    assert res["ok"] and res["gloo_pair"]["same_parameters"], res
+    for run in ("gloo_pair", "nccl_single"):
+        assert res[run]["worker_0"] == {"returncode": 0, "committed_rounds": 3, "device": "cpu",
+                                        "backend": "gloo"}, res
+
+
 def test_a_synchronizing_call_is_named_by_its_innermost_project_frame():
     """``first_cuda_sync`` reports where CUDA's error mode raised: file, line, function, code."""
     sys.path.insert(0, str(REPO / "scripts"))

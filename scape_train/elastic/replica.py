@@ -73,12 +73,26 @@ def snapshot_tree(obj: Any) -> Any:
     return obj
 
 
-def _recording_gloo(timeout: timedelta):
-    """torchft's reconfigurable gloo group, remembering the slots of the quorum it was last
-    configured for (torchft passes them as ``global_ranks``)."""
-    from torchft.process_group import ProcessGroupGloo
+def cross_group_backend(backend: str, device: torch.device) -> str:
+    """The backend of the process group across replica groups (``strategy.elastic.backend``):
+    ``auto`` is NCCL where this worker's device is CUDA, gloo elsewhere."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"strategy.elastic.backend=nccl needs CUDA, but this worker runs on "
+                         f"{device}: use backend=gloo (or auto)")
+    return backend
 
-    class RecordingGloo(ProcessGroupGloo):
+
+def _recording_group(backend: str, timeout: timedelta):
+    """torchft's reconfigurable process group (gloo, or NCCL: collectives that time out abort
+    the communicator instead of hanging), remembering the slots of the quorum it was last
+    configured for (torchft passes them as ``global_ranks``)."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    base = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+
+    class Recording(base):
         members: list[int] = []
 
         def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None,
@@ -87,14 +101,15 @@ def _recording_gloo(timeout: timedelta):
             super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
                               group_world_size, global_ranks)
 
-    return RecordingGloo(timeout=timeout)
+    return Recording(timeout=timeout)
 
 
 class ReplicaGroup:
-    """This worker's torchft ``Manager`` (replica group of one process) and its quorum log."""
+    """This worker's torchft ``Manager`` (replica group of one process) and its quorum log;
+    ``device``: where the worker's tensors live, the exchange's included."""
 
     def __init__(self, cfg: ElasticConfig, run_dir: Path, state_fn: Callable[[], dict],
-                 load_fn: Callable[[dict], None]):
+                 load_fn: Callable[[dict], None], device: torch.device | str = "cpu"):
         import_torchft()
         from torch.distributed import TCPStore
         from torchft.manager import Manager
@@ -106,13 +121,15 @@ class ReplicaGroup:
                              "and pass its address, e.g. strategy.elastic.lighthouse="
                              "http://localhost:29510")
         self.cfg, self.run_dir, self.slot = cfg, Path(run_dir), cfg.replica
+        device = torch.device(device)
+        self.backend = cross_group_backend(cfg.backend, device)
         self._load_fn = load_fn
         host = socket.gethostname()
         # this replica group's own store: torchft's managed group meets in the store of the
         # quorum's first member, so it must be reachable by the other workers
         self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         timeout = timedelta(seconds=cfg.timeout_s)
-        self.pg = _recording_gloo(timeout)
+        self.pg = _recording_group(self.backend, timeout)
         self.manager = Manager(
             pg=self.pg, load_state_dict=self._heal, state_dict=lambda: snapshot_tree(state_fn()),
             min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
@@ -120,7 +137,9 @@ class ReplicaGroup:
             connect_timeout=timedelta(seconds=cfg.connect_timeout_s), rank=0, world_size=1,
             store_addr=host, store_port=self.store.port, lighthouse_addr=lighthouse,
             replica_id=f"replica_{self.slot}", hostname=host, quorum_retries=cfg.quorum_retries)
-        self.comm = ReplicaComm(self.manager, self.pg)
+        self.comm = ReplicaComm(self.manager, self.pg, device)
+        log.info("elastic: replica %d exchanges its %s tensors across replica groups over "
+                 "backend %s", self.slot, device, self.backend)
         self.members: list[int] = []
         self.joined: list[tuple[int, int]] = []     # (round, slot) a worker joined at
         self.left: list[tuple[int, int]] = []       # (round, slot) a worker left at

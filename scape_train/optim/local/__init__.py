@@ -17,7 +17,7 @@ from ..base import OptimizerStrategy
 from scape_train.comm import Comm
 from ..config import OptimizerConfig
 from ..scape.payload import PAYLOAD_DTYPES
-from .config import StrategyConfig
+from .config import ELASTIC_BACKENDS, StrategyConfig
 from .diloco import DiLoCo
 from .fragments import StreamingDiLoCo
 from .gasloc import GASLoC
@@ -133,6 +133,8 @@ def validate_elastic(cfg: StrategyConfig, world_size: int) -> None:
          f"replica={el.replica} must be in [0, slots={el.slots}): slots is the number of data "
          "shards (the most workers at once), replica this worker's shard and name")
     need(el.min_replicas >= 1, f"min_replicas must be >= 1, got {el.min_replicas}")
+    need(el.backend in ELASTIC_BACKENDS,
+         f"backend must be one of {list(ELASTIC_BACKENDS)}, got {el.backend!r}")
     need(el.timeout_s > 0 and el.quorum_timeout_s > 0 and el.connect_timeout_s > 0,
          f"timeouts must be > 0, got timeout_s={el.timeout_s}, quorum_timeout_s="
          f"{el.quorum_timeout_s}, connect_timeout_s={el.connect_timeout_s}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+ELASTIC_BACKENDS = ("auto", "gloo", "nccl")
 OUTER_PAYLOAD_CHUNK = 1 << 24   # values per quantized outer all-reduce: <0.5 GB of temporaries
 
 
@@ -24,6 +25,10 @@ class ElasticConfig:
     quorum_timeout_s: float = 300.0   # waiting for the lighthouse's quorum at a round's start
     connect_timeout_s: float = 10.0   # connecting to the lighthouse and the managers
     quorum_retries: int = 30          # quorum attempts while the lighthouse is away (restarts)
+    # the process group across replica groups: auto = torchft's NCCL group where the worker's
+    # device is CUDA, its gloo group elsewhere; gloo also carries CUDA tensors (through host
+    # memory), for links NCCL cannot use
+    backend: str = "auto"             # auto | gloo | nccl
 
 
 @dataclass
