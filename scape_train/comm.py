@@ -36,6 +36,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -239,6 +240,8 @@ class Comm:
     # data bytes this rank sent before the current window (a resumed run starts from its
     # checkpoint's figure)
     sent_before: int = 0
+    # whether :meth:`all_to_all` runs on this group (torchft's replica groups: no)
+    offers_all_to_all: ClassVar[bool] = True
 
     def __post_init__(self):
         self.enabled = dist.is_available() and dist.is_initialized()
@@ -621,5 +624,6 @@ class ReplicaComm(Comm):
                                   "and all-gather only; start-up, checkpoints and evaluation use "
                                   "the worker's own process group")
 
+    offers_all_to_all = False
     reduce_scatter = all_to_all = broadcast = _refuse
     broadcast_object = all_gather_object = all_ok = barrier = _refuse

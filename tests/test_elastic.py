@@ -227,13 +227,17 @@ def test_data_parallel_step_fails_on_a_frozen_worker_then_a_joiner_heals(job_fac
 
 
 @pytest.mark.slow
-def test_sparseloco_worker_killed_at_an_inner_step(job_factory):
-    """SparseLoCo's all-gather across replica groups: worker 2 dies inside a round whose quorum
+@pytest.mark.parametrize("strategy,extra", [
+    ("sparseloco", ("strategy.sparse_chunk=1024", "strategy.sparse_topk=64")),
+    ("diloco", ("strategy.outer_payload_dtype=fp4_e2m1", "strategy.outer_error_feedback=1"))],
+    ids=["sparseloco", "diloco_fp4_error_feedback"])
+def test_all_gather_rounds_survive_a_worker_killed_at_an_inner_step(job_factory, strategy, extra):
+    """An all-gather across replica groups (SparseLoCo's; DiLoCo's quantized outer gradients,
+    which replica groups carry as an all-gather): worker 2 dies inside a round whose quorum
     holds it, so the survivors' all-gather of that round fails and nobody applies it (each
     survivor puts its error feedback back); from then on the two gather between themselves and
     end on the same parameters."""
-    job = job_factory(f"trainer.max_steps={ROUNDS * H}", "strategy.sparse_chunk=1024",
-                      "strategy.sparse_topk=64", strategy="sparseloco")
+    job = job_factory(f"trainer.max_steps={ROUNDS * H}", *extra, strategy=strategy)
     job.wait_mid_round(2)
     job.signal(2, signal.SIGKILL)
     job.wait_done([0, 1])

@@ -70,6 +70,30 @@ def test_a_round_that_does_not_commit_is_applied_by_nobody_and_its_drift_carries
     assert torch.equal(flat(strat.params), flat(strat.outer.state.anchor))
 
 
+def test_quantized_outer_gradients_put_their_error_feedback_back_when_a_round_does_not_commit():
+    """fp4 outer gradients with error feedback across replica groups (no all-to-all there: the
+    all-gather form): a failed round leaves e as it was; a committed one delivers the drift and
+    the e sent, less the e kept (one worker: to fp32's rounding)."""
+    model, strat = make([False, True], slot=0, outer_payload_dtype="fp4_e2m1",
+                        outer_error_feedback=1.0)
+    strat.comm.offers_all_to_all = False
+    outer = strat.outer
+    outer.error.fill_(1e-3)          # as if earlier rounds had held some back
+    before = outer.error.clone()
+    drifts, drift_flat = [], outer.drift_flat
+    outer.drift_flat = lambda: drifts.append(drift_flat()) or drifts[-1].clone()
+    for s in range(2):
+        inner_step(model, strat, s)
+    assert strat.rounds_done == 0 and torch.equal(outer.error, before)   # the vote failed
+    anchor = flat(outer.state.anchor).clone()
+    for s in range(2, 4):
+        inner_step(model, strat, s)
+    assert strat.rounds_done == 1 and not torch.equal(outer.error, before)
+    applied = (anchor - flat(outer.state.y_prev)).double() / 0.7      # y = theta0 - eta delta
+    gap = applied - (drifts[-1].double() + before.double() - outer.error.double())
+    assert gap.abs().max() < 1e-6, gap.abs().max()
+
+
 def test_sparseloco_puts_its_error_feedback_back_when_a_round_does_not_commit():
     """A failed round leaves nothing behind: with H = 2 and the first round's vote failed, the
     worker after 4 steps holds exactly what one committed round of H = 4 over the same steps

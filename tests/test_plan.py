@@ -138,6 +138,12 @@ STEP_CASES = {
     "diloco_fp4_ef": ["strategy=diloco", "optimizer=adamw", "strategy.inner_steps=2",
                       "strategy.fragments=2", "strategy.outer_payload_dtype=fp4_e2m1",
                       "strategy.outer_payload_chunk=65536", "strategy.outer_error_feedback=1"],
+    # ... across replica groups: the all-gather form, e copied aside until the vote
+    "diloco_fp4_ef_elastic": ["strategy=diloco", "optimizer=adamw", "strategy.inner_steps=2",
+                              "strategy.fragments=2", "strategy.outer_payload_dtype=fp4_e2m1",
+                              "strategy.outer_payload_chunk=65536",
+                              "strategy.outer_error_feedback=1", "strategy.elastic.enabled=true",
+                              "strategy.elastic.replica=0", "strategy.elastic.slots=1"],
     "sparseloco": ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=1",
                    "strategy.sparse_chunk=256", "strategy.sparse_topk=32"],
     "sparseloco_fp8": ["strategy=sparseloco", "optimizer=adamw", "strategy.inner_steps=1",
@@ -164,7 +170,9 @@ def test_step_replay_matches_the_bytes_a_real_step_allocates(case, monkeypatch):
     torch.manual_seed(0)
     model = build_model(cfg.model, device="cpu")
     if cfg.strategy.name != "data_parallel":
-        strategy = build_local_strategy(cfg.strategy, cfg.optimizer, model, Comm())
+        comm = Comm()
+        comm.offers_all_to_all = not cfg.strategy.elastic.enabled   # as ReplicaComm
+        strategy = build_local_strategy(cfg.strategy, cfg.optimizer, model, comm)
     elif cfg.strategy.elastic.enabled:   # as the trainer builds it (the exchange on one process)
         from scape_train.optim import build_elastic_optimizer
 

@@ -36,9 +36,15 @@ def test_fragments_stride_the_blocks_and_balance_the_rest():
         fragments(names[:2], numels[:2], 3)
 
 
-def _make(seed: int = 0, **over):
+def _make(seed: int = 0, comm: Comm | None = None, **over):
     model = tiny_model(seed)
-    return build_local_strategy(StrategyConfig(**{**CFG, **over}), OPT, model, Comm()), model
+    return build_local_strategy(StrategyConfig(**{**CFG, **over}), OPT, model,
+                                comm or Comm()), model
+
+
+class GatherOnly(Comm):
+    """A group without an all-to-all, as torchft's replica groups."""
+    offers_all_to_all = False
 
 
 def _steps(strategy, model, first: int, last: int, rank: int) -> list[dict]:
@@ -182,11 +188,12 @@ def _observed_rounds(strategy, fragments_, observe) -> list:
     return checks
 
 
-def _quantized_worker(rank, world, fragments_):
+def _quantized_worker(rank, world, fragments_, gather):
     """DiLoCo with fp4 outer gradients: each round's applied delta is the workers' mean drift
     within the codec's rounding, not equal to it, and the round's bytes are the quantized
-    exchange's."""
-    strategy, model = _make(fragments=fragments_, outer_payload_dtype="fp4_e2m1")
+    exchange's; ``gather``: over a group without an all-to-all (its all-gather form)."""
+    strategy, model = _make(fragments=fragments_, outer_payload_dtype="fp4_e2m1",
+                            comm=GatherOnly() if gather else None)
 
     def observe(frag, anchor, drift, error, applied, metrics):
         dist.all_reduce(drift)
@@ -200,16 +207,16 @@ def _quantized_worker(rank, world, fragments_):
     return checks, torch.cat([a.reshape(-1) for a in strategy.outer.state.anchor])
 
 
-@pytest.mark.parametrize("fragments_", [1, 2])
-def test_fp4_outer_gradients_round_the_mean_and_keep_replicas_equal(fragments_):
-    res = run_distributed(_quantized_worker, 2, (fragments_,))
+@pytest.mark.parametrize("fragments_,gather", [(1, False), (2, False), (2, True)])
+def test_fp4_outer_gradients_round_the_mean_and_keep_replicas_equal(fragments_, gather):
+    res = run_distributed(_quantized_worker, 2, (fragments_, gather))
     assert torch.equal(res[0][1], res[1][1])   # the same theta0: every rank decodes the same bytes
     checks = res[0][0]
     assert len(checks) == 8 // (4 // fragments_)
     for c in checks:
         # e2m1 with power-of-two block scales: at most a quarter of the block maximum, twice
-        # (each rank's chunk, then the mean); and it did round
-        assert 1e-7 < c["err"] <= 0.5 * c["scale"] + 1e-6, c
+        # (each rank's chunk, then the mean; the all-gather form rounds once); and it did round
+        assert 1e-7 < c["err"] <= (0.25 if gather else 0.5) * c["scale"] + 1e-6, c
         fp32 = ring_all_reduce_bytes(4 * c["numel"], 2)
         assert c["sent"] < fp32 / 6, (c["sent"], fp32)
 

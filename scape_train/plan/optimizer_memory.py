@@ -395,16 +395,23 @@ def _dense_round(r: Replay, s, n: int, big: int, fetch: int,
     if s.overlap_steps == 0:   # a blocking round's, inside the step
         for what, b in buffers:
             r.alloc(b, what)
+    kept = 0
     if all_reduce_round(s) and s.outer_payload_dtype != "fp32":
         from scape_train.plan.scape_step import trace_quantized_all_reduce
+        elastic = s.elastic.enabled      # across replica groups: e copied aside; an all-gather
+        if elastic and s.outer_error_feedback > 0 and not fetch:   # (fetch: e in host memory)
+            kept = r.alloc(F32 * n, "outer error feedback before the round (elastic)")
         r.spike(trace_quantized_all_reduce(n, world, s.outer_payload_dtype, on_gpu,
-                                           s.outer_payload_chunk, s.outer_error_feedback),
-                f"{s.outer_payload_dtype} outer all-reduce (all-to-all, fp32 sum, all-gather) of "
-                f"{min(n, s.outer_payload_chunk):,} values")
+                                           s.outer_payload_chunk, s.outer_error_feedback,
+                                           all_to_all=not elastic),
+                f"{s.outer_payload_dtype} outer all-reduce "
+                f"({'all-gather' if elastic else 'all-to-all'}, fp32 sum"
+                f"{'' if elastic else ', all-gather'}) of {min(n, s.outer_payload_chunk):,} values")
     if all_reduce_round(s):
         r.spike(F32 * big + fetch, "outer gradient of the largest tensor")
         # y, y - y_prev and x of this tensor beside the previous tensor's x (rebound only after)
         r.spike(4 * F32 * big + fetch, "Nesterov outer step of the largest tensor")
+        r.free(kept)
     else:
         r.spike(4 * F32 * big + fetch, "local extrapolation of the largest tensor")
         r.alloc(F32 * n, "mixed parameters")

@@ -147,11 +147,13 @@ def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> StepMemory:
 
 
 def trace_quantized_all_reduce(numel: int, world: int, payload_dtype: str, on_gpu: bool,
-                               chunk: int, error_feedback: float = 0.0) -> int:
+                               chunk: int, error_feedback: float = 0.0,
+                               all_to_all: bool = True) -> int:
     """The bytes DiLoCo's quantized outer all-reduce (``optim/local/diloco.py``:
     ``strategy.outer_payload_dtype``, ``outer_payload_chunk``, ``outer_error_feedback``) of
     ``numel`` fp32 values allocates at its peak beyond its input and error feedback, traced on
-    fake tensors as rank 0 of ``world``. Every chunk allocates alike, so one chunk is traced."""
+    fake tensors as rank 0 of ``world``; without ``all_to_all`` (across torchft's replica
+    groups) its all-gather form. Every chunk allocates alike, so one chunk is traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from scape_train.optim.local.diloco import quantized_average_
@@ -166,6 +168,8 @@ def trace_quantized_all_reduce(numel: int, world: int, payload_dtype: str, on_gp
         base = tracker.live
         with tracker:
             tracker.peak = base
-            quantized_average_(x, PlanComm(0, world), PayloadCodec(payload_dtype), kind="outer",
+            comm = PlanComm(0, world)
+            comm.offers_all_to_all = all_to_all
+            quantized_average_(x, comm, PayloadCodec(payload_dtype), kind="outer",
                                chunk=chunk, error=error, error_feedback=error_feedback)
     return tracker.peak - base

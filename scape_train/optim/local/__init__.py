@@ -57,10 +57,9 @@ def validate(cfg: StrategyConfig, optimizer_cfg: OptimizerConfig, world_size: in
     if cfg.outer_payload_dtype != "fp32":
         need(cfg.name == "diloco", f"outer_payload_dtype={cfg.outer_payload_dtype} applies to "
              f"strategy=diloco (its outer all-reduce), not {cfg.name}")
-        need(cfg.overlap_steps == 0 and not cfg.elastic.enabled,
-             f"outer_payload_dtype={cfg.outer_payload_dtype} is a blocking all-to-all and "
-             "all-gather over the workers' own group: set overlap_steps=0 and drop "
-             "strategy.elastic (torchft's replica groups carry no all-to-all)")
+        need(cfg.overlap_steps == 0,
+             f"outer_payload_dtype={cfg.outer_payload_dtype} blocks (an all-to-all and an "
+             "all-gather, or across replica groups one all-gather): set overlap_steps=0")
     need(cfg.outer_payload_chunk >= 1,
          f"outer_payload_chunk must be >= 1 value, got {cfg.outer_payload_chunk}")
     need(0.0 <= cfg.outer_error_feedback <= 1.0,
@@ -156,7 +155,8 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
 
     outer_gradients = {"payload_dtype": cfg.outer_payload_dtype,
                        "payload_chunk": cfg.outer_payload_chunk,
-                       "error_feedback": cfg.outer_error_feedback}
+                       "error_feedback": cfg.outer_error_feedback,
+                       "rounds_can_fail": cfg.elastic.enabled}
 
     def make_outer(params, names):
         if cfg.name == "diloco" and cfg.fragments > 1:

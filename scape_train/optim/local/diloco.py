@@ -27,6 +27,11 @@ rounds did not deliver, ``e``, and sends ``delta + beta * e`` next round:
 the rounding of the mean (``payload.all_reduce_mean``), so with beta = 1 every worker's outer
 gradient reaches the average in full, a round or more late (MuLoCo's and SparseLoCo's error
 feedback, without their top-k).
+
+Across torchft's replica groups (elastic), which carry no all-to-all, the quantized mean is an
+all-gather of every worker's coded outer gradient, summed in fp32 by every worker alike
+(``payload.all_gather_mean``: n/2 times the all-to-all form's bytes, no second rounding). A
+round that does not commit puts ``e`` back as it was before the round: nobody applied it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 
 from scape_train.comm import Comm, Handle
 from scape_train.host_to_device import pinned_zeros
-from ..scape.payload import PayloadCodec, all_reduce_mean
+from ..scape.payload import PayloadCodec, all_gather_mean, all_reduce_mean
 from .config import OUTER_PAYLOAD_CHUNK
 from .outer import OuterAlgorithm, OuterState
 
@@ -49,15 +54,17 @@ def quantized_average_(delta: torch.Tensor, comm: Comm, codec: PayloadCodec, *, 
                        error_feedback: float = 0.0) -> None:
     """``delta`` (1-D) replaced by its mean over the workers through ``codec``, ``chunk``
     values at a time; with ``error`` (fp32, ``delta``'s length, anywhere), ``error_feedback`` x
-    ``error`` joins what is sent and ``error`` becomes what this round did not deliver."""
+    ``error`` joins what is sent and ``error`` becomes what this round did not deliver. A group
+    without an all-to-all gathers every worker's coded values instead (:func:`all_gather_mean`)."""
     device = delta.device
+    mean_of = all_reduce_mean if comm.offers_all_to_all else all_gather_mean
     for start in range(0, delta.numel(), chunk):
         part = delta[start:start + chunk]
         x = part.float()
         if error is not None:
             e = error[start:start + chunk]
             x = torch.add(x, OuterState.on(e, device), alpha=error_feedback)
-        mean, err = all_reduce_mean(x, comm, codec, kind=kind)
+        mean, err = mean_of(x, comm, codec, kind=kind)
         if error is not None:
             e.copy_(err)
         part.copy_(mean)
@@ -69,10 +76,12 @@ class DiLoCo(OuterAlgorithm):
 
     def __init__(self, params, names, comm, eta: float, gamma: float, on_cpu: bool, *,
                  payload_dtype: str = "fp32", payload_chunk: int = OUTER_PAYLOAD_CHUNK,
-                 error_feedback: float = 0.0):
+                 error_feedback: float = 0.0, rounds_can_fail: bool = False):
         super().__init__(params, names, comm, eta, gamma, on_cpu)
         self.codec = PayloadCodec(payload_dtype)
         self.payload_chunk, self.error_feedback = payload_chunk, error_feedback
+        self.rounds_can_fail = rounds_can_fail      # elastic: e is copied aside until the vote
+        self._error_before: torch.Tensor | None = None
         # what this worker's quantized rounds have not delivered yet, where the outer state is
         self.error = None
         if self.codec.lowp and error_feedback > 0:
@@ -86,9 +95,19 @@ class DiLoCo(OuterAlgorithm):
         if not self.codec.lowp:
             return super().average(delta, kind, async_op)
         assert not async_op, "a quantized outer all-reduce blocks (validate refuses overlap)"
+        if self.error is not None and self.rounds_can_fail:
+            self._error_before = self.error.clone()
         quantized_average_(delta, self.comm, self.codec, kind=kind, chunk=self.payload_chunk,
                            error=self.error, error_feedback=self.error_feedback)
         return Handle(self.comm, kind)          # done: nothing left in flight
+
+    def apply_all_reduce(self, delta, local_weight: float = 0.0, local_delta=None) -> bool:
+        committed = super().apply_all_reduce(delta, local_weight, local_delta)
+        if self._error_before is not None:
+            if not committed:          # nobody applied the round: e as if it had not been
+                self.error.copy_(self._error_before)
+            self._error_before = None
+        return committed
 
     def round(self, t: int) -> dict[str, float]:
         return self.round_metrics(*self.all_reduce_round(kind=self.all_reduce_kind))

@@ -207,6 +207,17 @@ def all_reduce_mean(x: torch.Tensor, comm: Comm, codec: PayloadCodec, *, kind: s
     return result.view(-1)[:numel], err.view(-1)[:numel]
 
 
+def all_gather_mean(x: torch.Tensor, comm: Comm, codec: PayloadCodec, *, kind: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`all_reduce_mean` for a group that carries no all-to-all (torchft's replica groups:
+    ``Comm.offers_all_to_all``): every rank all-gathers every rank's coded ``x`` (1-D fp32),
+    decodes the rows and sums them in fp32 in rank order, so the result is bit-identical on all
+    ranks; (n-1)·C_x bytes sent, n/2 times the all-to-all form's. Nothing is re-quantized, so
+    ``error`` is this rank's own rounding ``x - d`` alone."""
+    rows = all_gather_rows(x, comm, codec, kind=kind)
+    return sum_rows_fp32(rows).div_(comm.world), x - rows[comm.rank]
+
+
 def all_gather_rows(shard: torch.Tensor, comm: Comm, codec: PayloadCodec, *, kind: str
                     ) -> torch.Tensor:
     """Every rank's fp32 ``shard`` (``[w]``) through the codec: ``[world, w]`` dequantized, the
