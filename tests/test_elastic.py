@@ -200,7 +200,9 @@ SCAPE_DP = ("optimizer=scape", "optimizer.density=0.1", "optimizer.density_warmu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", [("optimizer=adamw",), SCAPE_DP], ids=["adamw", "scape"])
+@pytest.mark.parametrize("optimizer", [("optimizer=adamw",), SCAPE_DP,
+                                       (*SCAPE_DP, "optimizer.payload_dtype=fp8_e4m3")],
+                         ids=["adamw", "scape", "scape_fp8"])
 def test_data_parallel_step_fails_on_a_frozen_worker_then_a_joiner_heals(job_factory, optimizer):
     """Data parallelism across replica groups, every step a round, under a lighthouse that
     needs 3 workers. Worker 2 stops itself as its first collective of step 11 starts

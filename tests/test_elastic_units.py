@@ -19,7 +19,10 @@ from scape_train.optim.local.config import ElasticConfig, StrategyConfig
 
 
 class VotingComm(Comm):
-    """One process; ``commit`` answers from a script of votes (a lost peer's round: False)."""
+    """One process; ``commit`` answers from a script of votes (a lost peer's round: False); no
+    all-to-all, as across torchft's replica groups."""
+
+    offers_all_to_all = False
 
     def __init__(self, votes: list[bool]):
         super().__init__()
@@ -76,7 +79,6 @@ def test_quantized_outer_gradients_put_their_error_feedback_back_when_a_round_do
     the e sent, less the e kept (one worker: to fp32's rounding)."""
     model, strat = make([False, True], slot=0, outer_payload_dtype="fp4_e2m1",
                         outer_error_feedback=1.0)
-    strat.comm.offers_all_to_all = False
     outer = strat.outer
     outer.error.fill_(1e-3)          # as if earlier rounds had held some back
     before = outer.error.clone()
@@ -285,15 +287,17 @@ def scape_state(strat) -> list[torch.Tensor]:
             s.mask_cur.clone(), s.next_mask().clone()]
 
 
+@pytest.mark.parametrize("payload", ["fp32", "fp8_e4m3"])
 @pytest.mark.parametrize("impl", ["fused", "reference"])
-def test_elastic_scape_step_that_does_not_commit_joins_the_next_as_a_micro_batch(impl):
+def test_elastic_scape_step_that_does_not_commit_joins_the_next_as_a_micro_batch(impl, payload):
     """A failed step leaves θ, m, the residual, both masks and the step count as they were and
     keeps its gradient; the next committed step is SCAPE's step on the mean of both batches'
     gradients: bit for bit what plain SCAPE on one process does with a two-micro-batch
-    gradient (the masks and residual at density 0.25 in play)."""
+    gradient (the masks and residual at density 0.25 in play; fp8: the payload's rounding in
+    the residual too, through the all-gather form on both)."""
     from scape_train.optim import build_optimizer
 
-    model, strat = make_scape([True, True, False, True], scape_impl=impl)
+    model, strat = make_scape([True, True, False, True], scape_impl=impl, payload_dtype=payload)
     for s in range(2):
         scape_backward(model, s)
         strat.step(1e-2)
@@ -312,7 +316,8 @@ def test_elastic_scape_step_that_does_not_commit_joins_the_next_as_a_micro_batch
     assert strat.progress(4) == 3 and strat.attempts == 0
 
     ref_model = scape_model()
-    ref = build_optimizer(OptimizerConfig(**{**SCAPE, "scape_impl": impl}), ref_model)
+    ref = build_optimizer(OptimizerConfig(**{**SCAPE, "scape_impl": impl,
+                                             "payload_dtype": payload}), ref_model, VotingComm([]))
     for s in range(2):
         scape_backward(ref_model, s)
         ref.step(1e-2)
@@ -360,7 +365,7 @@ def test_elastic_scape_heals_from_a_peer_with_a_zero_residual_and_resumes_its_ow
 def test_elastic_scape_refuses_what_replica_groups_do_not_carry():
     from scape_train.optim import validate_elastic_optimizer
 
-    for bad in (dict(sharded=True), dict(payload_dtype="bf16"), dict(offload_residuals=True)):
+    for bad in (dict(sharded=True), dict(offload_residuals=True)):
         with pytest.raises(ValueError, match="replica groups"):
             validate_elastic_optimizer(OptimizerConfig(**{**SCAPE, **bad}))
     with pytest.raises(ValueError, match="not optimizer=powersgd"):
@@ -370,7 +375,10 @@ def test_elastic_scape_refuses_what_replica_groups_do_not_carry():
 class Quorums(Comm):
     """Gloo ranks standing in for replica groups whose quorum changes: :meth:`use` makes the
     collectives run over ``members`` only (a sub-group made beforehand on every rank), as a
-    quorum that lost or regained workers; ``commit`` always holds."""
+    quorum that lost or regained workers; ``commit`` always holds; no all-to-all, as across
+    torchft's replica groups."""
+
+    offers_all_to_all = False
 
     def __init__(self, groups: dict[tuple[int, ...], object]):
         super().__init__()
@@ -383,8 +391,11 @@ class Quorums(Comm):
         self.group = self.groups[members]
         self.rank, self.world = dist.get_rank(self.group), len(members)
 
+    def all_to_all(self, *args, **kwargs):
+        raise AssertionError("torchft's replica groups carry no all-to-all")
 
-def _quorum_changes(rank: int, world: int, impl: str):
+
+def _quorum_changes(rank: int, world: int, impl: str, payload: str):
     """Steps over the quorums (0, 1, 2) x3, (0, 1) x2, then 2 heals from 0 and (0, 1, 2) x2."""
     import torch.distributed as dist
     from scape_train.optim import build_elastic_optimizer
@@ -396,7 +407,8 @@ def _quorum_changes(rank: int, world: int, impl: str):
     model = scape_model(21)
     strat = build_elastic_optimizer(OptimizerConfig(**{**SCAPE, "density": 0.1,
                                                        "scape_impl": impl,
-                                                       "partitioner": "flat"}),
+                                                       "partitioner": "flat",
+                                                       "payload_dtype": payload}),
                                     model, comm, worker=rank)
     step = 0
     for members, steps in (((0, 1, 2), 3), ((0, 1), 2), ((0, 1, 2), 2)):
@@ -419,15 +431,17 @@ def _quorum_changes(rank: int, world: int, impl: str):
     return flat(model.parameters()), strat.progress(0)
 
 
-def test_elastic_scape_through_quorums_of_3_2_3_keeps_workers_equal_and_engines_agreeing():
+@pytest.mark.parametrize("payload", ["fp32", "fp8_e4m3"])
+def test_elastic_scape_through_quorums_of_3_2_3_keeps_workers_equal_and_engines_agreeing(payload):
     """The owners follow the quorum (flat partitioner: tensors cut between owners, so a mask
     built over 3 owners has other counts per segment over 2). Through quorums of 3, 2 and 3
     workers (the third healing from a peer), every worker ends on the same parameters, and the
     fused O(k) step, which walks the mask per segment, agrees with the reference step, which
-    reads it whole."""
+    reads it whole; an fp8 payload goes through its all-gather form (no all-to-all here)."""
     from tests._dist import run_distributed
 
-    ends = {impl: run_distributed(_quorum_changes, 3, (impl,)) for impl in ("fused", "reference")}
+    ends = {impl: run_distributed(_quorum_changes, 3, (impl, payload))
+            for impl in ("fused", "reference")}
     for impl, runs in ends.items():
         assert [steps for _, steps in runs] == [7, 7, 7], impl
         for params, _ in runs[1:]:

@@ -120,6 +120,11 @@ STEP_CASES = {
     "scape_elastic": ["optimizer=scape", "optimizer.density=0.05",
                       "optimizer.density_warmup_steps=0", "strategy.elastic.enabled=true",
                       "strategy.elastic.replica=0", "strategy.elastic.slots=1"],
+    # ... with an fp8 payload: its all-gather form (replica groups carry no all-to-all)
+    "scape_elastic_fp8": ["optimizer=scape", "optimizer.density=0.05",
+                          "optimizer.density_warmup_steps=0", "optimizer.payload_dtype=fp8_e4m3",
+                          "strategy.elastic.enabled=true", "strategy.elastic.replica=0",
+                          "strategy.elastic.slots=1"],
     "scape_sharded": ["optimizer=scape", "optimizer.sharded=true", "optimizer.density=0.05",
                       "optimizer.density_warmup_steps=0"],
     "scape_sharded_dense": ["optimizer=scape", "optimizer.sharded=true", "optimizer.density=1.0",
@@ -176,7 +181,9 @@ def test_step_replay_matches_the_bytes_a_real_step_allocates(case, monkeypatch):
     elif cfg.strategy.elastic.enabled:   # as the trainer builds it (the exchange on one process)
         from scape_train.optim import build_elastic_optimizer
 
-        strategy = build_elastic_optimizer(cfg.optimizer, model, Comm(), worker=0)
+        comm = Comm()
+        comm.offers_all_to_all = False      # as ReplicaComm
+        strategy = build_elastic_optimizer(cfg.optimizer, model, comm, worker=0)
     else:
         strategy = build_optimizer(cfg.optimizer, model)
     # the first step allocates lazy state (AdamW): steady from step 2

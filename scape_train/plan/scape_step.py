@@ -90,16 +90,19 @@ class StepMemory:
 def trace_step(cfg, model_cfg, vocab_size: int, world: int, density: float, on_gpu: bool,
                engine: str = "fused") -> StepMemory:
     """The ``engine`` ("fused" or "reference") step of ``cfg`` (an app config) at a constant
-    ``density``, traced on the rank owning the largest range of ``world``."""
+    ``density``, traced on the rank owning the largest range of ``world`` (across torchft's
+    replica groups, ``strategy.elastic``, a low-precision payload takes its all-gather form)."""
     from scape_train.models.build import resolve_config
 
     o = dataclasses.replace(cfg.optimizer, density=density, density_warmup_steps=0,
                             density_start_step=0, density_cooldown_steps=0,
                             scape_impl=engine, use_triton="off")
-    return _trace(o, resolve_config(model_cfg, vocab_size), world, density, on_gpu)
+    return _trace(o, resolve_config(model_cfg, vocab_size), world, density, on_gpu,
+                  all_to_all=not cfg.strategy.elastic.enabled)
 
 
-def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> StepMemory:
+def _trace(o, resolved, world: int, density: float, on_gpu: bool,
+           all_to_all: bool = True) -> StepMemory:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from scape_train.models.build import ARCHS
@@ -117,7 +120,9 @@ def _trace(o, resolved, world: int, density: float, on_gpu: bool) -> StepMemory:
         tracker.track(params, "params")
         with tracker:
             tracker.category = "state"
-            strategy = ScapeStrategy(o, model, comm=PlanComm(rank, world))
+            comm = PlanComm(rank, world)
+            comm.offers_all_to_all = all_to_all
+            strategy = ScapeStrategy(o, model, comm=comm)
             buf = strategy.grad_buffer      # flat_grads: the gradients' row, not SCAPE state
             grad_bytes = 0 if buf is None else tracker.storage_bytes(buf.buffer.untyped_storage())
             peaks = []

@@ -42,7 +42,7 @@ import torch
 
 from scape_train.comm import Comm, Handle
 from scape_train.host_to_device import pinned_zeros
-from ..scape.payload import PayloadCodec, all_gather_mean, all_reduce_mean
+from ..scape.payload import PayloadCodec, quantized_mean
 from .config import OUTER_PAYLOAD_CHUNK
 from .outer import OuterAlgorithm, OuterState
 
@@ -55,16 +55,15 @@ def quantized_average_(delta: torch.Tensor, comm: Comm, codec: PayloadCodec, *, 
     """``delta`` (1-D) replaced by its mean over the workers through ``codec``, ``chunk``
     values at a time; with ``error`` (fp32, ``delta``'s length, anywhere), ``error_feedback`` x
     ``error`` joins what is sent and ``error`` becomes what this round did not deliver. A group
-    without an all-to-all gathers every worker's coded values instead (:func:`all_gather_mean`)."""
+    without an all-to-all gathers every worker's coded values instead (``payload.all_gather_mean``)."""
     device = delta.device
-    mean_of = all_reduce_mean if comm.offers_all_to_all else all_gather_mean
     for start in range(0, delta.numel(), chunk):
         part = delta[start:start + chunk]
         x = part.float()
         if error is not None:
             e = error[start:start + chunk]
             x = torch.add(x, OuterState.on(e, device), alpha=error_feedback)
-        mean, err = mean_of(x, comm, codec, kind=kind)
+        mean, err = quantized_mean(x, comm, codec, kind=kind)
         if error is not None:
             e.copy_(err)
         part.copy_(mean)

@@ -11,8 +11,9 @@ same on every worker. A step:
                     (:meth:`ScapeStrategy.repartition` when Q changed)
     kept            θ, p.grad, m and e are copied aside (the rollback copy)
     step            SCAPE's step on p.grad / a (a: the attempts since the last committed step):
-                    the payload's all-reduce and the next mask's all-gather, both through
-                    torchft's manager and both finished inside the step
+                    the payload's all-reduce (low precision: an all-gather of every worker's
+                    coded payload, ``payload.all_gather_mean``) and the next mask's all-gather,
+                    through torchft's manager and finished inside the step
     vote            ``Comm.commit``: the quorum's collectives held on this worker
     not committed   nobody applied it: θ, m, e, the masks and the step count go back to the
                     copy, and p.grad keeps the sum of the failed steps' gradients, so the next
@@ -28,9 +29,8 @@ checkpoint is older than its last committed step): zero loses its unsent mass on
 sending some twice. A worker restarted from its own checkpoint, with nobody ahead to heal from,
 keeps that checkpoint's residual.
 
-Refused (``validate``): the sharded mode and low-precision payloads (they need the
-reduce-scatter and the all-to-all, which torchft's replica groups do not carry), and residuals
-in host memory (the rollback copy is on the device).
+Refused (``validate``): the sharded mode (it needs the reduce-scatter, which torchft's replica
+groups do not carry), and residuals in host memory (the rollback copy is on the device).
 """
 
 from __future__ import annotations
@@ -50,15 +50,13 @@ from .strategy import ScapeStrategy
 def validate_elastic_scape(cfg: OptimizerConfig) -> None:
     """What SCAPE across replica groups cannot run (the module docstring)."""
     refused = {"optimizer.sharded=true": cfg.sharded,
-               f"optimizer.payload_dtype={cfg.payload_dtype}": cfg.payload_dtype != "fp32",
                "optimizer.offload_residuals=true": cfg.offload_residuals}
     bad = [k for k, v in refused.items() if v]
     if bad:
-        raise ValueError(f"SCAPE across torchft replica groups runs replicated with fp32 "
-                         f"payloads and the residual on the device; {', '.join(bad)} is not "
-                         "offered there (the sharded step and low-precision payloads need the "
-                         "reduce-scatter and all-to-all that replica groups do not carry): "
-                         "drop it, or train without strategy.elastic")
+        raise ValueError(f"SCAPE across torchft replica groups runs replicated with the "
+                         f"residual on the device; {', '.join(bad)} is not offered there (the "
+                         "sharded step needs the reduce-scatter that replica groups do not "
+                         "carry): drop it, or train without strategy.elastic")
 
 
 class ElasticScapeStrategy(OptimizerStrategy):

@@ -42,7 +42,7 @@ from ..config import OptimizerConfig
 from . import passes
 from .masks import Mask
 from .partition import ParamLayout, PartitionMap
-from .payload import PayloadCodec, all_gather_rows, all_reduce_mean, reduce_scatter_mean
+from .payload import PayloadCodec, all_gather_rows, quantized_mean, reduce_scatter_mean
 from .passes import clip_coef
 from .state import ScapeState
 from .torch_passes import TorchPasses
@@ -233,8 +233,8 @@ class FusedReplicatedScape(_FusedEngine):
             # the quantized mean is two blocking collectives; the next mask's top-k, which reads
             # c only, runs before them. This rank's error goes into e[M] (finish_step).
             overlapped = None if during_payload is None else during_payload()
-            payload, self._wire_err = all_reduce_mean(payload, self.comm, self.codec,
-                                                      kind="payload")
+            payload, self._wire_err = quantized_mean(payload, self.comm, self.codec,
+                                                     kind="payload")
             if self.record:
                 self.last["wire_error"] = self._wire_err.clone()
         else:

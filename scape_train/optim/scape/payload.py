@@ -218,6 +218,16 @@ def all_gather_mean(x: torch.Tensor, comm: Comm, codec: PayloadCodec, *, kind: s
     return sum_rows_fp32(rows).div_(comm.world), x - rows[comm.rank]
 
 
+def quantized_mean(x: torch.Tensor, comm: Comm, codec: PayloadCodec, *, kind: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, error)`` of 1-D fp32 ``x`` over ``comm`` through ``codec``: :func:`all_reduce_mean`,
+    or :func:`all_gather_mean` where the group offers no all-to-all. Either way every rank gets
+    the same mean, and the errors, summed over the ranks, are what the mean did not deliver."""
+    if comm.offers_all_to_all:
+        return all_reduce_mean(x, comm, codec, kind=kind)
+    return all_gather_mean(x, comm, codec, kind=kind)
+
+
 def all_gather_rows(shard: torch.Tensor, comm: Comm, codec: PayloadCodec, *, kind: str
                     ) -> torch.Tensor:
     """Every rank's fp32 ``shard`` (``[w]``) through the codec: ``[world, w]`` dequantized, the

@@ -6,7 +6,8 @@ Per step (lines 1-7; the next mask, line 8, is the strategy's job):
     e^(r) = (1 - M) ⊙ c^(r)                                 (same pass when M is known)
     b̄     = mean_r c^(r)[M]                                  ONE all-reduce of the payload
             (low precision, ``payload_dtype``: the all-to-all / fp32 sum / all-gather of
-            :func:`payload.all_reduce_mean`; e^(r)[M] = the rank's quantization error)
+            :func:`payload.all_reduce_mean`, or across torchft's replica groups the all-gather
+            of :func:`payload.all_gather_mean`; e^(r)[M] = the rank's quantization error)
     ĝ     = M ⊙ (b̄ - β1·m) / (1-β1);  clip ĝ by its global norm
     m, θ  ← AdamS(m, ĝ) with m zeroed off M                 off M: θ ← (1 - lr·wd)·θ
 """
@@ -22,7 +23,7 @@ from .kernels import gather_masked, scatter_masked
 from .masks import Mask
 from .partition import ParamLayout, PartitionMap
 from .passes import clip_coef
-from .payload import PayloadCodec, all_reduce_mean
+from .payload import PayloadCodec, quantized_mean
 from .residual import ResidualStore
 from .state import ScapeState
 
@@ -76,7 +77,7 @@ class ReplicatedScape:
         payload = gather_masked(c, bits, count=k)
         if self.codec.lowp:
             # the mean, identical on every rank; this rank's error goes into its residual
-            payload, err = all_reduce_mean(payload, self.comm, self.codec, kind="payload")
+            payload, err = quantized_mean(payload, self.comm, self.codec, kind="payload")
             self._res_sq = self._res_sq + self.state.residual.set_masked(err, bits, k)
             if self.record:
                 self.last["wire_error"] = err.clone()
