@@ -5,10 +5,12 @@ elastic data parallelism (dense AdamW, every step a round: a quorum, the gradien
 through torchft, a vote, the data cursor kept) against DDP on one gloo group; with
 ``--optimizer scape`` too, elastic SCAPE (the payload's all-reduce and the next mask's all-gather
 through torchft, blocking; the rollback copy; the vote) against SCAPE on one gloo group, both at
-density 0.1 from the first step.
+density 0.1 from the first step; with ``--payload-dtype fp8_e4m3`` too, both with an fp8 payload
+(across replica groups its all-gather form, on one gloo group the all-to-all form).
 
     python scripts/bench_elastic.py [--rounds 4] [--repeats 4] [--workers 3] [--inner-steps 30]
     python scripts/bench_elastic.py --strategy data_parallel [--optimizer scape] [--rounds 60]
+    python scripts/bench_elastic.py --strategy data_parallel --optimizer scape --payload-dtype fp8_e4m3
 
 Each run is ``--workers`` processes of ``python -m scape_train`` (llama_tiny, one thread each) on
 this machine. A round's time is ``H`` times the mean logged ``step_time_s`` of every step after
@@ -16,7 +18,7 @@ the first round (start-up and the first quorum excluded; data parallelism: a rou
 the first 10 are excluded), averaged over the workers. Prints both, their ratio per repeat, and
 the machine's load; writes ``docs/figures/<section>.json`` and that section of
 ``docs/reliability.md``: ``bench_elastic``, ``bench_elastic_dp`` (data parallelism) or
-``bench_elastic_scape`` (with SCAPE).
+``bench_elastic_scape`` (with SCAPE) or ``bench_elastic_scape_fp8`` (its fp8 payload).
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ DP_SKIP = 10     # data parallelism: the steps left out of the mean (start-up, t
 SCAPE = ["optimizer=scape", "optimizer.density=0.1", "optimizer.density_warmup_steps=0"]
 
 
-def section(strategy: str, optimizer: str = "adamw") -> str:
+def section(strategy: str, optimizer: str = "adamw", payload: str = "fp32") -> str:
     if strategy != "data_parallel":
         return "bench_elastic"
-    return "bench_elastic_scape" if optimizer == "scape" else "bench_elastic_dp"
+    if optimizer != "scape":
+        return "bench_elastic_dp"
+    return "bench_elastic_scape" + ("" if payload == "fp32" else f"_{payload.split('_')[0]}")
 
 
 def free_port() -> int:
@@ -71,8 +75,9 @@ def run(kind: str, root: Path, args) -> float:
     h, skip = (1, DP_SKIP) if dp else (args.inner_steps, args.inner_steps)
     steps = args.rounds * h
     job = [*JOB, f"trainer.max_steps={steps}", f"trainer.warmup_steps={min(40, steps // 4)}",
-           *((["strategy=data_parallel"] + (SCAPE if args.optimizer == "scape"
-                                            else ["optimizer=adamw"])) if dp else
+           *((["strategy=data_parallel"] + (
+               [*SCAPE, f"optimizer.payload_dtype={args.payload_dtype}"]
+               if args.optimizer == "scape" else ["optimizer=adamw"])) if dp else
              ["strategy=diloco", f"strategy.inner_steps={args.inner_steps}"])]
     procs, lighthouse, port = [], None, free_port()
     logs = open(root / f"{kind}.log", "ab")
@@ -123,8 +128,11 @@ def table(r: dict) -> str:
     a = r["args"]
     if a.get("strategy", "diloco") == "data_parallel":
         scape = a.get("optimizer", "adamw") == "scape"
+        payload = a.get("payload_dtype", "fp32")
+        scape_what = "SCAPE at density 0.1 from the first step" + (
+            "" if payload == "fp32" else f", {payload} payload (elastic: its all-gather form)")
         what = (f"llama_tiny (seq 128, micro-batch 4), "
-                f"{'SCAPE at density 0.1 from the first step' if scape else 'dense AdamW'}, "
+                f"{scape_what if scape else 'dense AdamW'}, "
                 f"{a['workers']} workers of one process and one thread each on this 2-core "
                 f"machine, {a['rounds']} steps (the first {DP_SKIP} excluded)")
         names = ("SCAPE, one gloo group", "elastic SCAPE") if scape else \
@@ -153,6 +161,8 @@ def main() -> None:
     ap.add_argument("--strategy", choices=["diloco", "data_parallel"], default="diloco")
     ap.add_argument("--optimizer", choices=["adamw", "scape"], default="adamw",
                     help="data parallelism's optimizer")
+    ap.add_argument("--payload-dtype", choices=["fp32", "bf16", "fp8_e4m3", "fp4_e2m1"],
+                    default="fp32", help="SCAPE's payload (with --optimizer scape)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds (data parallelism: steps); default 4 (60)")
     ap.add_argument("--repeats", type=int, default=4)
@@ -162,6 +172,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.optimizer != "adamw" and args.strategy != "data_parallel":
         ap.error("--optimizer applies to --strategy data_parallel")
+    if args.payload_dtype != "fp32" and args.optimizer != "scape":
+        ap.error("--payload-dtype applies to --optimizer scape")
     if args.rounds is None:
         args.rounds = 60 if args.strategy == "data_parallel" else 4
     load_before = os.getloadavg()
@@ -185,7 +197,7 @@ def main() -> None:
     print(f"load after: {os.getloadavg()}")
     figures = Path(args.docs) / "figures"
     figures.mkdir(parents=True, exist_ok=True)
-    name = section(args.strategy, args.optimizer)
+    name = section(args.strategy, args.optimizer, args.payload_dtype)
     (figures / f"{name}.json").write_text(json.dumps(out, indent=1))
     print(table(out))
     import doc_sections
