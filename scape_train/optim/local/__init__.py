@@ -153,18 +153,18 @@ def build_local_strategy(strategy_cfg: StrategyConfig, optimizer_cfg: OptimizerC
     cfg = strategy_cfg
     validate(cfg, optimizer_cfg, comm.world)
 
-    outer_gradients = {"payload_dtype": cfg.outer_payload_dtype,
-                       "payload_chunk": cfg.outer_payload_chunk,
-                       "error_feedback": cfg.outer_error_feedback,
-                       "rounds_can_fail": cfg.elastic.enabled}
+    diloco_options = {"payload_dtype": cfg.outer_payload_dtype,
+                      "payload_chunk": cfg.outer_payload_chunk,
+                      "error_feedback": cfg.outer_error_feedback,
+                      "rounds_can_fail": cfg.elastic.enabled}
 
     def make_outer(params, names):
         if cfg.name == "diloco" and cfg.fragments > 1:
             return StreamingDiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
-                                   cfg.outer_state_on_cpu, count=cfg.fragments, **outer_gradients)
+                                   cfg.outer_state_on_cpu, count=cfg.fragments, **diloco_options)
         if cfg.name == "diloco":
             return DiLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
-                          cfg.outer_state_on_cpu, **outer_gradients)
+                          cfg.outer_state_on_cpu, **diloco_options)
         if cfg.name == "sparseloco":
             return SparseLoCo(params, names, comm, cfg.outer_lr, cfg.outer_momentum,
                               cfg.outer_state_on_cpu, chunk=cfg.sparse_chunk,

@@ -58,11 +58,11 @@ class StreamingDiLoCo(OuterAlgorithm):
     round_sets_every_param = False    # the other fragments train on past their anchors
 
     def __init__(self, params, names, comm, eta: float, gamma: float, on_cpu: bool, *,
-                 count: int, **outer_gradients):
+                 count: int, **diloco_options):
         self.params, self.comm, self.eta, self.gamma = params, comm, eta, gamma
         self.parts = fragments(names, [p.numel() for p in params], count)
         self.fragments = [DiLoCo([params[i] for i in part], [names[i] for i in part], comm, eta,
-                                 gamma, on_cpu, **outer_gradients)
+                                 gamma, on_cpu, **diloco_options)
                           for part in self.parts]
         # the whole outer state in the parameters' order: views of the fragments' own tensors,
         # so the strategy's checkpoint and a healing peer see one theta0 and y_prev per name
