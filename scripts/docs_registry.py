@@ -124,6 +124,8 @@ SECTIONS: list[Section] = [
     _page("bench_elastic", "reliability.md", "bench_elastic", "bench_elastic.json"),
     _page("bench_elastic_dp", "reliability.md", "bench_elastic", "bench_elastic_dp.json"),
     _page("bench_elastic_scape", "reliability.md", "bench_elastic", "bench_elastic_scape.json"),
+    _page("bench_elastic_scape_fp8", "reliability.md", "bench_elastic",
+          "bench_elastic_scape_fp8.json"),
     # the README's figures: re-rendered by `scripts/doc_sections.py` after any of these JSON change
     Section("readme_headline", "README.md", "scripts/readme_figures.py",
             (F + "bench_speed_summary.json", F + "bench_volume.json", F + "quality_study.json",
