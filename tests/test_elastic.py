@@ -158,7 +158,7 @@ def test_elastic_config_is_checked_early():
     with pytest.raises(ConfigError, match="backend must be one of"):
         validate(compose_config([*base, "strategy.elastic.slots=2", "strategy.elastic.replica=1",
                                  "strategy.elastic.backend=mpi"]))
-    # data parallelism across replica groups: the dense optimizers and replicated fp32 SCAPE,
+    # data parallelism across replica groups: the dense optimizers and replicated SCAPE,
     # and no step skipped alone
     dp = ["strategy.elastic.enabled=true", "strategy.elastic.slots=2", "strategy.elastic.replica=1"]
     with pytest.raises(ConfigError, match="not optimizer=topk_adamw"):
