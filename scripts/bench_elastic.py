@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--strategy", choices=["diloco", "data_parallel"], default="diloco")
     ap.add_argument("--optimizer", choices=["adamw", "scape"], default="adamw",
                     help="data parallelism's optimizer")
-    ap.add_argument("--payload-dtype", choices=["fp32", "bf16", "fp8_e4m3", "fp4_e2m1"],
+    ap.add_argument("--payload-dtype", choices=["fp32", "fp8_e4m3"],
                     default="fp32", help="SCAPE's payload (with --optimizer scape)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds (data parallelism: steps); default 4 (60)")
