@@ -401,12 +401,12 @@ def _dense_round(r: Replay, s, n: int, big: int, fetch: int,
         elastic = s.elastic.enabled      # across replica groups: e copied aside; an all-gather
         if elastic and s.outer_error_feedback > 0 and not fetch:   # (fetch: e in host memory)
             kept = r.alloc(F32 * n, "outer error feedback before the round (elastic)")
+        form = "all-gather, fp32 sum" if elastic else "all-to-all, fp32 sum, all-gather"
         r.spike(trace_quantized_all_reduce(n, world, s.outer_payload_dtype, on_gpu,
                                            s.outer_payload_chunk, s.outer_error_feedback,
                                            all_to_all=not elastic),
-                f"{s.outer_payload_dtype} outer all-reduce "
-                f"({'all-gather' if elastic else 'all-to-all'}, fp32 sum"
-                f"{'' if elastic else ', all-gather'}) of {min(n, s.outer_payload_chunk):,} values")
+                f"{s.outer_payload_dtype} outer all-reduce ({form}) of "
+                f"{min(n, s.outer_payload_chunk):,} values")
     if all_reduce_round(s):
         r.spike(F32 * big + fetch, "outer gradient of the largest tensor")
         # y, y - y_prev and x of this tensor beside the previous tensor's x (rebound only after)
